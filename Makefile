@@ -1,0 +1,18 @@
+# Two commands for a fresh machine (see README):
+#   make quickstart   set up, run the quickstart headless on whatever device is here, write report/
+#   make test         set up, run the unit tests and every notebook under nbval in smoke mode
+PYTHON ?= python3
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup quickstart test
+
+# torch first: an existing torch (Colab's CUDA build) is kept; otherwise the CPU-friendly 2.13.0.
+setup:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+quickstart: setup
+	$(PYTHON) -m colabkit.quickstart --out report
+
+test: setup
+	COLABKIT_SMOKE=1 $(PYTHON) -m pytest -q --nbval-lax --nbval-current-env --durations=15 tests notebooks

@@ -1,0 +1,18 @@
+"""colabkit: see where GPU training memory goes, try each technique measured, know before you start
+whether it fits a free Colab T4, and apply it to your own model in a few lines.
+
+>>> import colabkit
+>>> colabkit.Plan.parse("baseline").optimizer
+'adamw'
+"""
+from __future__ import annotations
+
+from . import techniques  # noqa: F401  (registers the plan tokens)
+from .data import ByteTokenizer, IGNORE_INDEX, TextData, corpus
+from .env import GPU_PROFILES, T4_USABLE_BYTES, emulate_t4, env, format_env, native_bf16, sdpa_backends, smoke_mode
+from .memory import CATEGORIES, MemoryTracker, fmt_bytes, format_report, show_snapshot
+from .models import GPT, GPTConfig, PRESETS, blocks_of, build_model, count_params, gpt_config
+from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_tokens, compatible, register
+from .train import Trainer, load_checkpoint, measure, save_checkpoint, train, weights_sha256
+
+__version__ = "0.1.0"

@@ -1,0 +1,520 @@
+"""Measure where training memory goes: a tracker that sorts every tensor storage into parameters,
+gradients, optimizer state, activations and other/temporaries, on any device (the CPU included),
+with a phase-labelled timeline, alerts, and CUDA snapshots.
+
+The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates and a weak
+reference that sees it freed. A storage's category is decided by what it turns out to be: a model
+parameter or buffer, a ``.grad``, a tensor held in the optimizer's state, else by the phase that
+created it (forward -> activations, anything else -> other). Peaks are replayed with those final
+categories, so optimizer state created inside ``step()`` counts as optimizer state from its birth.
+
+>>> import torch
+>>> model = torch.nn.Linear(64, 64)
+>>> opt = torch.optim.AdamW(model.parameters())
+>>> with MemoryTracker(model, opt) as mt:
+...     with mt.phase("forward"):
+...         loss = model(torch.randn(8, 64)).square().mean()
+...     with mt.phase("backward"):
+...         loss.backward()
+...     with mt.phase("optimizer"):
+...         opt.step()
+>>> r = mt.report()
+>>> (r["breakdown"]["grads"], r["breakdown"]["optimizer"]) == (4 * 4160, 8 * 4160 + 8)
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from .env import GiB, MiB, budget_bytes as _default_budget, host_ram
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+
+# What to try when a category fills memory (used by alerts and the OOM post-mortem).
+ADVICE = {
+    "params": "fp16 weights via lora/qlora, or offload:params",
+    "grads": "fused-step (optimizer step inside backward) or lora",
+    "optimizer": "adamw8bit / adamw4bit / adafactor / lion, or offload:optimizer",
+    "activations": "checkpoint, accum:K, compress:int8, a smaller batch or sequence",
+    "other": "attention:efficient, fp16, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+}
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Human-readable bytes. >>> fmt_bytes(3 * 1024**2)
+    '3.0 MiB'"""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The real storages behind a tensor, looking inside wrapper subclasses (e.g. torchao 4-bit state)."""
+    stack = [t]
+    while stack:
+        obj = stack.pop()
+        if is_traceable_wrapper_subclass(obj):
+            attrs, _ = obj.__tensor_flatten__()
+            stack.extend(v for v in (getattr(obj, a) for a in attrs) if isinstance(v, torch.Tensor))
+        else:
+            yield obj.untyped_storage()
+
+
+def tensors_in(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors reachable in nested dicts/lists/tuples and in simple objects (e.g. bitsandbytes QuantState)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif _depth > 4 or obj is None or isinstance(obj, (str, int, float, bool)):
+        return
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v, _depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from tensors_in(v, _depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        for v in vars(obj).values():
+            yield from tensors_in(v, _depth + 1)
+
+
+def param_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Parameters and buffers, plus quantization state attached to parameters (4-bit absmax, ...)."""
+    for p in model.parameters():
+        yield p
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            yield from tensors_in(qs)
+    yield from model.buffers()
+
+
+def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Tensors an optimizer keeps between steps. Wrappers (fused-step, offload) may define
+    ``state_tensors()``; plain torch/bitsandbytes optimizers keep them in ``.state``."""
+    if optimizer is None:
+        return
+    if hasattr(optimizer, "state_tensors"):
+        yield from optimizer.state_tensors()
+    elif hasattr(optimizer, "state"):
+        yield from tensors_in(dict(optimizer.state))
+
+
+@dataclass
+class _Info:
+    nbytes: int
+    phase: str
+    op: str
+    step: int
+    kind: str | None = None  # params/grads/optimizer once known; None -> decided by phase
+    dead: bool = False
+
+    @property
+    def category(self) -> str:
+        if self.kind:
+            return self.kind
+        return "activations" if self.phase == "forward" else "other"
+
+
+class _Mode(TorchDispatchMode):
+    """Sees every op; hands new storages of the tracked device to the tracker."""
+
+    def __init__(self, tracker: "MemoryTracker"):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tr = self.tracker
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and tr._on_device(t):
+                for st in _storages(t):
+                    if id(st) not in tr._ids:
+                        tr._add(st, func.__name__)
+        return out
+
+
+class MemoryTracker:
+    """Context manager that measures memory by category, phase and step on any device.
+
+    Args:
+        model, optimizer: what to classify as parameters / optimizer state (optional; more can be
+            added with :meth:`watch`).
+        device: the device whose storages are counted (default: the model's, else cuda/cpu).
+        budget_bytes: the budget for alerts and plots (default: the T4's usable memory, or the GPU's).
+        alert_at: fraction of the budget that triggers a one-time warning naming the largest category.
+        on_sample: called with each timeline sample (the live plot uses it).
+        categories: False skips the dispatch mode (CUDA stats only; no per-op overhead).
+        record_history: on CUDA, record allocator history for :meth:`snapshot`.
+
+    Use :meth:`phase` to label forward/backward/optimizer, :meth:`set_step` to label steps and
+    :meth:`reset_peaks` to start the measured window after warm-up.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        device: str | torch.device | None = None,
+        budget_bytes: int | None = None,
+        alert_at: float | None = 0.9,
+        on_sample: Callable[[dict], None] | None = None,
+        categories: bool = True,
+        record_history: bool = False,
+    ):
+        if device is None:
+            if model is not None and any(True for _ in model.parameters()):
+                device = next(model.parameters()).device
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.models = [model] if model is not None else []
+        self.optimizers = [optimizer] if optimizer is not None else []
+        self.budget_bytes = budget_bytes if budget_bytes is not None else _default_budget()
+        self.alert_at = alert_at
+        self.on_sample = on_sample
+        self.categories = categories
+        self.record_history = record_history and self.is_cuda
+        self.timeline: list[dict] = []
+        self.alerts: list[str] = []
+        self._lock = threading.RLock()
+        self._ids: dict[int, int] = {}  # id(live storage) -> uid
+        self._infos: dict[int, _Info] = {}  # uid -> info (live, and dead ones not yet folded)
+        self._uid = 0
+        self._events: list[tuple[int, int]] = []  # (uid, +/- bytes) since the last fold
+        self._phase = "setup"
+        self._step = 0
+        self._total = 0
+        self._phase_max = 0
+        self._mode: _Mode | None = None
+        self._hooks: list[Any] = []
+        self._t0 = time.perf_counter()
+        self._reset_window()
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "MemoryTracker":
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            if self.record_history:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        if self.categories:
+            for m in self.models:
+                self._adopt_model(m)
+            self._classify()
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+        self._sample("setup")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._classify()
+        self._fold()
+        self._sample("end")
+        if self.record_history:
+            # history stays on until snapshot() is called or the next tracker starts
+            pass
+
+    def watch(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> "MemoryTracker":
+        """Add a model or optimizer created after the tracker started (e.g. inside the block)."""
+        if model is not None and all(model is not m for m in self.models):
+            self.models.append(model)
+            if self._mode is not None:
+                self._adopt_model(model)
+        if optimizer is not None and all(optimizer is not o for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        self._classify()
+        return self
+
+    # ----- labels -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator["MemoryTracker"]:
+        """Label allocations made inside the block: 'forward' ones count as activations."""
+        prev = self._phase
+        if step is not None:
+            self._step = step
+        self._phase, self._phase_max = name, self._current()
+        try:
+            yield self
+        finally:
+            self._classify()
+            self._sample(name)
+            self._phase = prev
+
+    def set_step(self, step: int) -> None:
+        self._step = step
+        self._fold()
+
+    def reset_peaks(self) -> None:
+        """Start the measured window now (e.g. after a warm-up step): peaks restart from what is live."""
+        self._classify()
+        self._fold()
+        self._reset_window()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ----- bookkeeping ------------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> bool:
+        d = t.device
+        return d.type == self.device.type and (self.device.index is None or d.index in (None, self.device.index))
+
+    def _add(self, st: torch.UntypedStorage, op: str, kind: str | None = None) -> None:
+        n = st.nbytes()
+        if n == 0:
+            return
+        with self._lock:
+            self._uid += 1
+            key = self._uid
+            self._ids[id(st)] = key
+            self._infos[key] = _Info(n, self._phase, op, self._step, kind)
+            self._events.append((key, n))
+            self._total += n
+            if self._total > self._phase_max:
+                self._phase_max = self._total
+            over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
+        weakref.finalize(st, self._free, key, id(st))
+        if over and not self.alerts:
+            self._alert()
+
+    def _free(self, key: int, sid: int) -> None:
+        with self._lock:
+            info = self._infos.get(key)
+            if info is None or info.dead:
+                return
+            info.dead = True
+            if self._ids.get(sid) == key:
+                del self._ids[sid]
+            self._events.append((key, -info.nbytes))
+            self._total -= info.nbytes
+            if len(self._events) > 200_000:  # bound the log in long runs without step labels
+                self._fold()
+
+    def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not self._on_device(t):
+                continue
+            for st in _storages(t):
+                uid = self._ids.get(id(st))
+                info = self._infos.get(uid) if uid is not None else None
+                if info is None:
+                    self._add(st, "pre-existing", kind)
+                elif info.kind is None or (kind == "params" and info.kind != "params"):
+                    info.kind = kind
+
+    def _adopt_model(self, model: torch.nn.Module) -> None:
+        self._mark(param_tensors(model), "params")
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_hook(self._grad_hook(p)))
+
+    def _grad_hook(self, p: torch.Tensor):
+        # Runs before AccumulateGrad: the incoming tensor becomes p.grad when p has none yet; when
+        # accumulating into an existing .grad it is a temporary and stays "other".
+        def hook(grad):
+            if p.grad is None:
+                self._mark([grad], "grads")
+            return None
+
+        return hook
+
+    def _classify(self) -> None:
+        if not self.categories:
+            return
+        for m in self.models:
+            self._mark(param_tensors(m), "params")
+            self._mark((p.grad for p in m.parameters() if p.grad is not None), "grads")
+        for o in self.optimizers:
+            self._mark(optimizer_tensors(o), "optimizer")
+
+    def _current(self) -> int:
+        if self.is_cuda and not self.categories:
+            return torch.cuda.memory_allocated(self.device)
+        return self._total
+
+    def _reset_window(self) -> None:
+        with self._lock:
+            cats = dict.fromkeys(CATEGORIES, 0)
+            for info in self._live_infos():
+                cats[info.category] += info.nbytes
+            self._window_start = dict(cats)
+            self._cat_now = cats
+            self._cat_peak = dict(cats)
+            self._peak = sum(cats.values())
+            self._at_peak = dict(cats)
+            self._phase_at_peak = self._phase
+            self._step_at_peak = self._step
+
+    def _fold(self) -> None:
+        """Replay pending events with final categories into the running peaks, then drop them."""
+        with self._lock:
+            events, self._events = self._events, []
+            cats, total = self._cat_now, sum(self._cat_now.values())
+            dead = []
+            for key, delta in events:
+                info = self._infos[key]
+                cats[info.category] += delta
+                total += delta
+                if delta > 0:
+                    c = info.category
+                    if cats[c] > self._cat_peak[c]:
+                        self._cat_peak[c] = cats[c]
+                    if total > self._peak:
+                        self._peak, self._at_peak = total, dict(cats)
+                        self._phase_at_peak, self._step_at_peak = info.phase, info.step
+                else:
+                    dead.append(key)
+            for key in dead:
+                self._infos.pop(key, None)
+
+    # ----- samples, alerts ---------------------------------------------------------------------
+    def _sample(self, phase: str) -> dict:
+        cats = self.current()
+        with self._lock:
+            now, pmax = self._current(), max(self._phase_max, self._current())
+        s = {
+            "t": time.perf_counter() - self._t0,
+            "step": self._step,
+            "phase": phase,
+            "allocated": now,
+            "phase_peak": pmax,
+            "categories": cats if self.categories else None,
+            "reserved": None,
+            "host_rss": host_ram()["rss"],
+        }
+        if self.is_cuda:
+            s["allocated_cuda"] = torch.cuda.memory_allocated(self.device)
+            s["reserved"] = torch.cuda.memory_reserved(self.device)
+            s["phase_peak_cuda"] = torch.cuda.max_memory_allocated(self.device)
+        self._phase_max = now
+        self.timeline.append(s)
+        if self.alert_at is not None and not self.alerts and max(pmax, s.get("allocated_cuda") or 0) > self.alert_at * self.budget_bytes:
+            self._alert()
+        if self.on_sample is not None:
+            self.on_sample(s)
+        return s
+
+    def _alert(self) -> None:
+        cats = self.current()
+        top = max(cats, key=cats.get)
+        msg = (
+            f"colabkit: memory passed {self.alert_at:.0%} of the budget ({fmt_bytes(self.budget_bytes)}); "
+            f"largest category: {top} ({fmt_bytes(cats[top])}). Try: {ADVICE[top]}."
+        )
+        self.alerts.append(msg)
+        warnings.warn(msg, ResourceWarning, stacklevel=3)
+
+    # ----- results -----------------------------------------------------------------------------
+    def current(self) -> dict[str, int]:
+        """Bytes live now, by category."""
+        cats = dict.fromkeys(CATEGORIES, 0)
+        with self._lock:
+            for info in self._live_infos():
+                cats[info.category] += info.nbytes
+        return cats
+
+    def _live_infos(self) -> list[_Info]:
+        return [i for i in self._infos.values() if not i.dead]
+
+    def report(self) -> dict[str, Any]:
+        """Peaks over the measured window: ``peak_bytes`` (CUDA: max_memory_allocated), each
+        category's own peak in ``breakdown``, the categories at the total's peak in ``at_peak``."""
+        self._classify()
+        self._fold()
+        r: dict[str, Any] = {
+            "device": str(self.device),
+            "peak_bytes": self._peak,
+            "tracked_peak_bytes": self._peak,
+            "breakdown": dict(self._cat_peak),
+            "at_peak": dict(self._at_peak),
+            "peak_phase": self._phase_at_peak,
+            "peak_step": self._step_at_peak,
+            "budget_bytes": self.budget_bytes,
+            "alerts": list(self.alerts),
+            "host_rss_peak": max((s["host_rss"] or 0) for s in self.timeline) if self.timeline else None,
+        }
+        if self.is_cuda:
+            r["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            r["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            try:
+                r["device_used_bytes"] = torch.cuda.device_memory_used(self.device)  # NVML
+            except Exception:  # no NVML (or AMD without amdsmi): not essential
+                r["device_used_bytes"] = None
+        if not self.categories:
+            r["breakdown"] = r["at_peak"] = None
+            r["tracked_peak_bytes"] = None
+        return r
+
+    def table(self) -> str:
+        """The report as a readable table."""
+        return format_report(self.report())
+
+    def snapshot(self, path: str) -> str:
+        """Save a memory snapshot. On CUDA: the allocator history (open it at pytorch.org/memory_viz,
+        or call :func:`show_snapshot`); elsewhere: the live storages with category, phase and op."""
+        if self.is_cuda and self.record_history:
+            torch.cuda.memory._dump_snapshot(path)
+            return path
+        with self._lock:
+            rows = sorted(
+                ({"bytes": i.nbytes, "category": i.category, "phase": i.phase, "op": i.op, "step": i.step}
+                 for i in self._live_infos()),
+                key=lambda r: -r["bytes"],
+            )
+        with open(path, "w") as f:
+            json.dump({"device": str(self.device), "live": rows, "timeline": self.timeline}, f)
+        return path
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """A table of one report (or bench record): each category's peak and its share."""
+    lines = [f"peak {fmt_bytes(r['peak_bytes'])}" + (f"  (reserved {fmt_bytes(r.get('peak_reserved_bytes'))})" if r.get("peak_reserved_bytes") else "")]
+    if r.get("breakdown"):
+        lines.append(f"{'category':<12} {'own peak':>12} {'at peak':>12}")
+        at = r.get("at_peak") or {}
+        for c in CATEGORIES:
+            lines.append(f"{c:<12} {fmt_bytes(r['breakdown'][c]):>12} {fmt_bytes(at.get(c)):>12}")
+    return "\n".join(lines)
+
+
+def show_snapshot(path: str):
+    """Inline view of a snapshot: the CUDA allocator trace as HTML, or the top live storages as a table."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            data = json.load(f)
+        lines = [f"{'bytes':>12} {'category':<12} {'phase':<10} op"]
+        for r in data["live"][:15]:
+            lines.append(f"{fmt_bytes(r['bytes']):>12} {r['category']:<12} {r['phase']:<10} {r['op']}")
+        return "\n".join(lines)
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    html = _memory_viz.trace_plot(snap)
+    try:
+        from IPython.display import HTML
+
+        return HTML(html)
+    except ImportError:
+        return html

@@ -1,0 +1,240 @@
+"""Reference models: a small readable GPT (one dataclass config, nanoGPT-style) with presets from
+``gpt-tiny`` to tens of billions of parameters, ``gpt:LxD`` shapes, and ``hf:<id>`` Hugging Face
+causal LMs. Every model maps token ids (B, S) to logits (B, S, V).
+
+>>> model = build_model("gpt-tiny")
+>>> model(torch.zeros(2, 16, dtype=torch.long)).shape
+torch.Size([2, 16, 256])
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    vocab_size: int = 256  # byte-level: the shipped corpus and tokenizer
+    block_size: int = 1024  # longest sequence (learned position embeddings)
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count without building the model (tied input/output embeddings, like GPT-2)."""
+        d, L = self.n_embd, self.n_layer
+        b = 1 if self.bias else 0
+        per_block = 2 * 2 * d + (3 * d * d + 3 * d * b) + (d * d + d * b) + (4 * d * d + 4 * d * b) + (4 * d * d + d * b)
+        return self.vocab_size * d + self.block_size * d + L * per_block + 2 * d
+
+
+GPT2_VOCAB = 50257
+PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=256),
+    "gpt-small": GPTConfig(n_layer=6, n_embd=384, n_head=6, vocab_size=256, block_size=512),
+    "gpt2-124m": GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=GPT2_VOCAB),
+    "gpt2-350m": GPTConfig(n_layer=24, n_embd=1024, n_head=16, vocab_size=GPT2_VOCAB),
+    "gpt2-774m": GPTConfig(n_layer=36, n_embd=1280, n_head=20, vocab_size=GPT2_VOCAB),
+    "gpt2-1.5b": GPTConfig(n_layer=48, n_embd=1600, n_head=25, vocab_size=GPT2_VOCAB),
+    # Larger GPT shapes (GPT-3 paper table 2.1 widths/depths) for the estimator and large-model runs.
+    "gpt-2.7b": GPTConfig(n_layer=32, n_embd=2560, n_head=32, vocab_size=GPT2_VOCAB, block_size=2048),
+    "gpt-6.7b": GPTConfig(n_layer=32, n_embd=4096, n_head=32, vocab_size=GPT2_VOCAB, block_size=2048),
+    "gpt-13b": GPTConfig(n_layer=40, n_embd=5120, n_head=40, vocab_size=GPT2_VOCAB, block_size=2048),
+    "gpt-20b": GPTConfig(n_layer=44, n_embd=6144, n_head=48, vocab_size=GPT2_VOCAB, block_size=2048),
+}
+
+
+def gpt_config(name: str, **overrides: Any) -> GPTConfig:
+    """Config for a preset or ``gpt:LxD`` (L layers of width D, 64-wide heads, byte vocab) with an
+    optional ``:vN`` vocabulary, e.g. ``gpt:12x768:v50257``."""
+    if name in PRESETS:
+        return replace(PRESETS[name], **overrides)
+    m = re.fullmatch(r"gpt:(\d+)x(\d+)(?::v(\d+))?", name)
+    if not m:
+        raise ValueError(
+            f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}), gpt:LxD such as gpt:8x256, "
+            "llama:LxD, or hf:<hub id>"
+        )
+    L, D = int(m[1]), int(m[2])
+    if L < 1 or D < 8:
+        raise ValueError(f"{name!r}: need at least 1 layer and width 8")
+    n_head = max(1, D // 64)
+    while D % n_head:
+        n_head -= 1
+    cfg = GPTConfig(n_layer=L, n_embd=D, n_head=n_head, vocab_size=int(m[3] or 256))
+    return replace(cfg, **overrides)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        # (B, S, 3D) -> 3 x (B, H, S, D/H)
+        q, k, v = self.qkv(x).view(B, S, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)
+        # The backend (math / memory-efficient / flash) is chosen around the call: attention:* tokens.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, D)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
+
+
+class GPT(nn.Module):
+    """GPT-2-shaped decoder: token + position embeddings, pre-norm blocks, tied output head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("proj.weight", "fc_proj.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, S = idx.shape  # (B, S) token ids -> (B, S, V) logits
+        if S > self.config.block_size:
+            raise ValueError(f"sequence {S} is longer than the model's block_size {self.config.block_size}")
+        pos = torch.arange(S, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+# ----- model names -> builders ---------------------------------------------------------------
+# Other modules register families (e.g. "llama:" in lora.py) with register_family.
+_FAMILIES: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_family(prefix: str, builder: Callable[..., nn.Module]) -> None:
+    """Make ``build_model('<prefix>...')`` call ``builder(name, seq=..., dropout=...)``."""
+    _FAMILIES[prefix] = builder
+
+
+def build_model(name: str, seq: int | None = None, dropout: float = 0.0, device: str | torch.device | None = None) -> nn.Module:
+    """Build a model by name: a GPT preset, ``gpt:LxD``, ``hf:<id>`` or a registered family.
+
+    ``seq`` widens the GPT position table when a longer sequence is asked for.
+    >>> build_model("gpt:2x64").config.n_head
+    1
+    """
+    for prefix, builder in _FAMILIES.items():
+        if name.startswith(prefix):
+            model = builder(name, seq=seq, dropout=dropout)
+            return model.to(device) if device is not None else model
+    cfg = gpt_config(name, dropout=dropout)
+    if seq is not None and seq > cfg.block_size:
+        cfg = replace(cfg, block_size=seq)
+    if device is not None:
+        with torch.device(device):
+            return GPT(cfg)
+    return GPT(cfg)
+
+
+def model_params(name: str, seq: int | None = None) -> int | None:
+    """Parameter count of a GPT name without building it (None for other families)."""
+    try:
+        cfg = gpt_config(name)
+    except ValueError:
+        return None
+    if seq is not None and seq > cfg.block_size:
+        cfg = replace(cfg, block_size=seq)
+    return cfg.n_params
+
+
+def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.Module:
+    """``hf:<id>``: the pretrained model from the hub when it can be reached; otherwise the model
+    built from its (cached) config with random weights, saying so."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
+    model_id = name[3:]
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_id)
+    except OSError as err:
+        try:
+            cfg = AutoConfig.from_pretrained(model_id)
+        except OSError:
+            raise OSError(
+                f"could not load {model_id!r} from the Hugging Face hub or its cache ({err}); "
+                "check the id and your connection, or use llama:LxD / gpt:LxD for a model built offline"
+            ) from err
+        print(f"colabkit: hub unreachable, building {model_id} from its config with random weights")
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+register_family("hf:", _hf_builder)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """Logits from a plain model's tensor output or a Hugging Face ``ModelOutput``."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks (GPT ``blocks``; HF ``model.layers``, ``transformer.h``, ...)."""
+    for path in ("blocks", "model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers",
+                 "base_model.model.model.layers", "base_model.model.blocks"):
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}")
+    return max(lists, key=len)
+
+
+def count_params(model: nn.Module, trainable_only: bool = False) -> int:
+    """Unique parameters (tied weights once), optionally only the trainable ones."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n

@@ -1,0 +1,216 @@
+"""The Plan: a set of technique tokens joined by ``+`` (``fp16+checkpoint+adamw8bit+accum:4``),
+parsed against a registry that technique modules fill, validated as a whole before anything runs.
+
+Each technique is a value in the plan (``plan.get("accum", 1)``) plus the registry entry that knows
+how to apply it: transform the model, give a context for the forward pass, build or wrap the
+optimizer. Conflicts are refused with a message that names them and says what to use instead.
+
+>>> p = Plan.parse("baseline")
+>>> str(p), p.get("accum", 1), p.optimizer
+('baseline', 1, 'adamw')
+>>> Plan.parse("adamw+adamw")
+Traceback (most recent call last):
+...
+colabkit.plan.PlanError: 'adamw' appears twice in the plan: keep one
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+
+Hook = Callable[..., Any]
+
+
+class PlanError(ValueError):
+    """A plan that cannot run as asked; the message says why and what to use instead."""
+
+
+@dataclass
+class Context:
+    """What a technique may need to know about the run it is applied to."""
+
+    device: torch.device
+    env: dict[str, Any] = field(default_factory=dict)
+    model_name: str | None = None
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def flag(arg: str | None) -> bool:
+    if arg is not None:
+        raise PlanError(f"this token takes no argument (got ':{arg}')")
+    return True
+
+
+def positive_int(arg: str | None, default: int | None = None) -> int:
+    if arg is None:
+        if default is None:
+            raise PlanError("this token needs a number, e.g. ':4'")
+        return default
+    if not arg.isdigit() or int(arg) < 1:
+        raise PlanError(f"':{arg}' is not a positive whole number")
+    return int(arg)
+
+
+@dataclass
+class Technique:
+    """A registry entry. Tokens are ``name`` or ``name:arg``; ``parse(arg)`` gives the plan's value.
+
+    Hooks (all optional), called in ``order``:
+      check(plan, ctx)                        raise PlanError for what cannot work here
+      prepare_model(model, plan, ctx) -> model   order < 50 runs before the model moves to the device
+      forward_context(plan, ctx) -> context manager around each forward + loss
+      make_optimizer(param_groups, plan, ctx) -> optimizer   (techniques in group "optimizer")
+      wrap_optimizer(optimizer, model, plan, ctx) -> optimizer-like (step/zero_grad/state_dict)
+    """
+
+    name: str
+    help: str
+    parse: Callable[[str | None], Any] = flag
+    group: str | None = None
+    multi: bool = False  # may repeat with different args (offload:optimizer+offload:activations)
+    examples: tuple[str, ...] = ()
+    check: Hook | None = None
+    prepare_model: Hook | None = None
+    forward_context: Hook | None = None
+    make_optimizer: Hook | None = None
+    wrap_optimizer: Hook | None = None
+    order: int = 60
+
+    def tokens(self) -> tuple[str, ...]:
+        return self.examples or (self.name,)
+
+
+REGISTRY: dict[str, Technique] = {}
+
+
+def register(technique: Technique) -> Technique:
+    """Add (or replace) a technique in the plan vocabulary."""
+    REGISTRY[technique.name] = technique
+    return technique
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parsed plan: ``values`` maps technique name -> value, ``tokens`` keeps the user's spelling."""
+
+    values: tuple[tuple[str, Any], ...] = ()
+    tokens: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: "str | Plan | Iterable[str]") -> "Plan":
+        if isinstance(text, Plan):
+            return text
+        parts = [t.strip() for t in (text.split("+") if isinstance(text, str) else text)]
+        parts = [t for t in parts if t]
+        if parts == ["baseline"] or not parts:
+            return cls()
+        if "baseline" in parts:
+            raise PlanError("'baseline' means no technique: use it alone, or list only the techniques")
+        values: dict[str, Any] = {}
+        groups: dict[str, str] = {}
+        for tok in parts:
+            name, _, arg = tok.partition(":")
+            tech = REGISTRY.get(name) or REGISTRY.get(tok)
+            if tech is None:
+                known = sorted(t for tq in REGISTRY.values() for t in tq.tokens())
+                close = difflib.get_close_matches(tok, known, n=3)
+                hint = f" Did you mean {', '.join(close)}?" if close else ""
+                raise PlanError(f"unknown plan token {tok!r}.{hint} Known tokens: {', '.join(known)}")
+            if tech is REGISTRY.get(tok):
+                name, arg = tok, ""
+            try:
+                value = tech.parse(arg if arg != "" else None)
+            except PlanError as e:
+                raise PlanError(f"{tok!r}: {e}") from None
+            if tech.multi:
+                values[name] = frozenset(values.get(name, frozenset()) | {value})
+            elif name in values:
+                raise PlanError(f"{name!r} appears twice in the plan: keep one")
+            else:
+                values[name] = value
+            if tech.group:
+                if tech.group in groups and groups[tech.group] != name:
+                    raise PlanError(f"{groups[tech.group]!r} and {tok!r} both choose the {tech.group}: keep one")
+                groups[tech.group] = name
+        return cls(tuple(sorted(values.items())), tuple(parts))
+
+    def __str__(self) -> str:
+        return "+".join(self.tokens) or "baseline"
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.values).get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in dict(self.values)
+
+    def with_tokens(self, *tokens: str) -> "Plan":
+        """This plan plus more tokens (validated). >>> str(Plan().with_tokens("sgd"))
+        'sgd'"""
+        return Plan.parse(list(self.tokens) + list(tokens))
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer token in the plan, ``adamw`` when none is named."""
+        for name, _ in self.values:
+            if REGISTRY[name].group == "optimizer":
+                return name
+        return "adamw"
+
+    def techniques(self) -> list[Technique]:
+        """Registry entries of this plan (the default optimizer included), in application order."""
+        names = {n for n, _ in self.values} | {self.optimizer}
+        return sorted((REGISTRY[n] for n in names), key=lambda t: (t.order, t.name))
+
+    def check(self, ctx: Context) -> None:
+        """Raise PlanError if any technique cannot run with the others on this device."""
+        for t in self.techniques():
+            if t.check is not None:
+                t.check(self, ctx)
+
+
+def available_tokens() -> list[tuple[str, str]]:
+    """Every concrete token and its help line, for menus and widgets."""
+    return [(tok, t.help) for t in sorted(REGISTRY.values(), key=lambda t: (t.order, t.name)) for tok in t.tokens()]
+
+
+def compatible(plan: Plan | str, token: str, ctx: Context | None = None) -> str | None:
+    """None if ``token`` can be added to ``plan`` (on ``ctx``'s device), else the reason it cannot."""
+    try:
+        p = Plan.parse(plan).with_tokens(token)
+        if ctx is not None:
+            p.check(ctx)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+# ----- the baseline optimizer: torch AdamW (more optimizers live in techniques/optimizers.py) -----
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters in two groups: matrices decay, norms/biases/1-D tensors do not."""
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+register(Technique(
+    name="adamw",
+    help="torch AdamW, fp32 state: 8 bytes per parameter (the baseline optimizer)",
+    group="optimizer",
+    make_optimizer=lambda groups, plan, ctx: torch.optim.AdamW(groups, lr=ctx.lr),
+    order=40,
+))
