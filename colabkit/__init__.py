@@ -14,5 +14,7 @@ from .memory import CATEGORIES, MemoryTracker, fmt_bytes, format_report, show_sn
 from .models import GPT, GPTConfig, PRESETS, blocks_of, build_model, count_params, gpt_config
 from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_tokens, compatible, register
 from .train import Trainer, load_checkpoint, measure, save_checkpoint, train, weights_sha256
+from .compare import compare, comparison_table
+from .plots import LivePlot, draw_timeline, plot_breakdown
 
 __version__ = "0.1.0"

@@ -138,10 +138,16 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tr = self.tracker
+        inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and tr._on_device(t):
                 for st in _storages(t):
-                    if id(st) not in tr._ids:
+                    if id(st) in tr._ids:
+                        continue
+                    if inputs is None:  # views and in-place results share an input's storage
+                        inputs = {id(s) for a in tree_flatten((args, kwargs))[0]
+                                  if isinstance(a, torch.Tensor) for s in _storages(a)}
+                    if id(st) not in inputs:
                         tr._add(st, func.__name__)
         return out
 
@@ -188,6 +194,7 @@ class MemoryTracker:
         self.on_sample = on_sample
         self.categories = categories
         self.record_history = record_history and self.is_cuda
+        self.alloc_round = 1  # round each storage up to this many bytes (the estimator's GPU profiles)
         self.timeline: list[dict] = []
         self.alerts: list[str] = []
         self._lock = threading.RLock()
@@ -279,7 +286,7 @@ class MemoryTracker:
         return d.type == self.device.type and (self.device.index is None or d.index in (None, self.device.index))
 
     def _add(self, st: torch.UntypedStorage, op: str, kind: str | None = None) -> None:
-        n = st.nbytes()
+        n = -(-st.nbytes() // self.alloc_round) * self.alloc_round  # alloc_round: e.g. CUDA's 512 B blocks
         if n == 0:
             return
         with self._lock:

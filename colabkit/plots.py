@@ -43,25 +43,40 @@ def _plt():
 
 
 def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USABLE_BYTES, title: str = "") -> None:
-    """Allocated (within-phase peak), reserved and host RSS in GiB against the sample index, each
-    phase shaded, the budget as a dashed line."""
+    """Allocated (within-phase peak) and reserved device memory against the sample index, each phase
+    shaded, the budget as a dashed line (named in the legend when it is far off scale); host RSS on
+    a second axis. Units follow the data (MiB or GiB)."""
     xs = list(range(len(samples)))
     for i, s in enumerate(samples):
         color = PHASE_COLORS.get(s["phase"])
         if color:
             ax.axvspan(i - 1, i, color=color, lw=0)
-    alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("allocated") or 0) / GiB for s in samples]
-    ax.plot(xs, alloc, color="#c44e52", lw=1.8, label="allocated (phase peak)")
-    if any(s.get("reserved") for s in samples):
-        ax.plot(xs, [(s.get("reserved") or 0) / GiB for s in samples], color="#4c72b0", lw=1.2, label="reserved")
-    if any(s.get("host_rss") for s in samples):
-        ax.plot(xs, [(s.get("host_rss") or 0) / GiB for s in samples], color="#8172b2", lw=1, ls=":", label="host RSS")
+    alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in samples]
+    reserved = [s.get("reserved") or 0 for s in samples]
+    top = max(alloc + reserved + [1])
+    unit, size = ("GiB", GiB) if top >= GiB / 2 else ("MiB", 2**20)
+    ax.plot(xs, [a / size for a in alloc], color="#c44e52", lw=1.8, label="allocated (phase peak)")
+    if any(reserved):
+        ax.plot(xs, [r / size for r in reserved], color="#4c72b0", lw=1.2, label="reserved")
     if budget_bytes:
-        ax.axhline(budget_bytes / GiB, color="k", ls="--", lw=1, label=f"budget {budget_bytes / GiB:.1f} GiB")
+        if budget_bytes <= 4 * top:
+            ax.axhline(budget_bytes / size, color="k", ls="--", lw=1, label=f"budget {budget_bytes / GiB:.1f} GiB")
+        else:
+            ax.plot([], [], color="k", ls="--", lw=1, label=f"budget {budget_bytes / GiB:.1f} GiB (off scale)")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("sample (phase boundary)")
-    ax.set_ylabel("GiB")
+    ax.set_ylabel(f"device memory, {unit}")
     ax.set_title(title or "memory by phase (blue forward, orange backward, green optimizer)", fontsize=9)
-    ax.legend(loc="upper left", fontsize=7)
+    if any(s.get("host_rss") for s in samples):
+        ax2 = ax.twinx()
+        ax2.plot(xs, [(s.get("host_rss") or 0) / GiB for s in samples], color="#8172b2", lw=1, ls=":", label="host RSS")
+        ax2.set_ylabel("host RSS, GiB", color="#8172b2")
+        ax2.set_ylim(bottom=0)
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=7)
+    else:
+        ax.legend(loc="upper left", fontsize=7)
 
 
 class LivePlot:

@@ -1,0 +1,154 @@
+"""Models, data, env, the train loop (determinism, exact resume) and the CLI contract."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import colabkit
+from colabkit.models import PRESETS, build_model, count_params, gpt_config
+from colabkit.plan import Plan, PlanError
+from colabkit.train import Trainer, measure, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name,expected", [("gpt2-124m", 124_439_808), ("gpt2-350m", 354_823_168),
+                                           ("gpt2-774m", 774_030_080), ("gpt2-1.5b", 1_557_611_200)])
+def test_gpt2_presets_have_gpt2_parameter_counts(name, expected):
+    # Counts of the published GPT-2 checkpoints (tied embeddings), from the config and from a model on meta.
+    assert PRESETS[name].n_params == expected
+    with torch.device("meta"):
+        assert count_params(build_model(name)) == expected
+
+
+def test_gpt_shape_names_and_errors():
+    cfg = gpt_config("gpt:8x256")
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size) == (8, 256, 4, 256)
+    assert gpt_config("gpt:2x128:v50257").vocab_size == 50257
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("gpt-huge")
+
+
+def test_env_report_and_smoke(monkeypatch):
+    info = colabkit.env()
+    for key in ("platform", "gpu", "capability", "vram_total_bytes", "host_ram_total_bytes", "bf16_native",
+                "sdpa_backends", "smoke", "emulating_t4"):
+        assert key in info
+    assert info["host_ram_total_bytes"] > 0
+    monkeypatch.setenv("COLABKIT_SMOKE", "0")
+    assert colabkit.smoke_mode() is False
+    monkeypatch.setenv("COLABKIT_SMOKE", "1")
+    assert colabkit.smoke_mode() is True
+    if not torch.cuda.is_available():
+        assert info["bf16_native"] is False and info["sdpa_backends"] == ["math"]
+        assert "No GPU attached" in colabkit.format_env(info)
+
+
+def test_emulate_t4_refuses_bf16_and_flash():
+    try:
+        info = colabkit.emulate_t4()
+        assert info["emulating_t4"] and info["bf16_native"] is False and "flash" not in info["sdpa_backends"]
+        assert info["budget_bytes"] == colabkit.T4_USABLE_BYTES
+    finally:
+        colabkit.emulate_t4(False)
+
+
+def test_plan_errors_are_actionable():
+    with pytest.raises(PlanError, match="Known tokens"):
+        Plan.parse("warp-drive")
+    with pytest.raises(PlanError, match="alone"):
+        Plan.parse("baseline+adamw")
+    assert str(Plan.parse("baseline")) == "baseline"
+
+
+def test_loss_falls_and_runs_are_repeatable():
+    a = train("gpt-tiny", steps=30, batch=8, seq=64, seed=3, lr=3e-3, progress=False, track=False)
+    b = train("gpt-tiny", steps=30, batch=8, seq=64, seed=3, lr=3e-3, progress=False, track=False)
+    assert a["losses"] == b["losses"] and a["weights_sha256"] == b["weights_sha256"]
+    assert a["losses"][0] > 5.0  # ~ln(256) at init
+    assert sum(a["losses"][-5:]) / 5 < a["losses"][0] - 1.5  # the corpus is learnable
+
+
+def test_resume_is_exact(tmp_path):
+    full = train("gpt-tiny", steps=6, batch=4, seq=32, seed=1, progress=False, track=False)
+    d = str(tmp_path / "ck")
+    first = train("gpt-tiny", steps=3, batch=4, seq=32, seed=1, progress=False, track=False,
+                  checkpoint_dir=d, checkpoint_every=3)
+    assert first["step"] == 3
+    torch.manual_seed(12345)  # a fresh process would have other RNG state: the checkpoint restores it
+    rest = train("gpt-tiny", steps=6, batch=4, seq=32, seed=1, progress=False, track=False,
+                 checkpoint_dir=d, checkpoint_every=3, resume=True)
+    assert rest["step"] == 6
+    assert first["losses"] + rest["losses"] == full["losses"]
+    assert rest["weights_sha256"] == full["weights_sha256"]
+
+
+def test_resume_with_other_plan_is_refused(tmp_path):
+    d = str(tmp_path / "ck")
+    train("gpt-tiny", steps=1, batch=2, seq=16, progress=False, track=False, checkpoint_dir=d, checkpoint_every=1)
+    other = next((t for t, _ in colabkit.available_tokens() if t != "adamw" and Plan.parse(t).optimizer != "adamw"), None)
+    if other is None:
+        pytest.skip("no second optimizer registered")
+    with pytest.raises(PlanError, match="same plan"):
+        train("gpt-tiny", plan=other, steps=2, batch=2, seq=16, progress=False, track=False, checkpoint_dir=d,
+              checkpoint_every=1, resume=True)
+
+
+def test_measure_record_contract_and_repeatability():
+    r1 = measure("gpt-tiny", "baseline", batch=4, seq=32, steps=2)
+    r2 = measure("gpt-tiny", "baseline", batch=4, seq=32, steps=2)
+    for key in ("plan", "model", "params", "peak_bytes", "breakdown", "step_time_s", "loss", "ok", "error"):
+        assert key in r1
+    assert r1["ok"] and r1["error"] is None and r1["loss"] == r2["loss"]
+    p = r1["params"]
+    assert r1["breakdown"]["params"] == 4 * p and r1["breakdown"]["grads"] == 4 * p
+    assert 8 * p <= r1["breakdown"]["optimizer"] <= 8 * p + 4 * 64
+    assert r1["breakdown"]["activations"] > 0
+    assert r1["peak_bytes"] >= max(r1["breakdown"].values())
+
+
+def test_measure_custom_model_fn():
+    def tiny_lm():  # any (B, S) -> (B, S, V) module
+        return torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256))
+
+    r = measure(tiny_lm, "baseline", batch=2, seq=16, steps=1)
+    assert r["ok"] and r["params"] == 256 * 32 + 32 * 256 + 256
+
+
+def test_measure_reports_errors_instead_of_raising():
+    r = measure("gpt-tiny", "bogus-token", batch=2, seq=16, steps=1)
+    assert not r["ok"] and "unknown plan token" in r["error"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "colabkit", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_bench_contract():
+    out = _cli("bench", "--model", "gpt-tiny", "--plan", "baseline", "--device", "cpu", "--steps", "2", "--json", "-")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) == {"env", "results"} and data["env"]["device"] in ("cpu", "cuda")
+    r = data["results"][0]
+    assert set(r["breakdown"]) == {"params", "grads", "optimizer", "activations", "other"}
+    p = r["params"]
+    assert (r["breakdown"]["params"], r["breakdown"]["grads"]) == (4 * p, 4 * p)
+    assert abs(r["breakdown"]["optimizer"] / p - 8) < 0.01
+
+
+def test_cli_env_and_bad_plan():
+    out = _cli("env", "--json", "-")
+    assert out.returncode == 0 and "smoke" in json.loads(out.stdout)
+    out = _cli("bench", "--model", "gpt-tiny", "--plan", "nope", "--device", "cpu", "--steps", "1")
+    assert out.returncode == 1 and "unknown plan token" in out.stdout
+
+
+def test_cli_train_contract(tmp_path):
+    out = _cli("train", "--model", "gpt-tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--device", "cpu",
+               "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1", "--json", "-")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["step"] == 2 and len(data["weights_sha256"]) == 64 and data["loss"] > 0
