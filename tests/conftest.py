@@ -4,7 +4,6 @@ import pytest
 import torch
 
 os.environ.setdefault("COLABKIT_SMOKE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)

@@ -40,6 +40,6 @@ def test_notebook_skeleton(path):
     assert len(tagged) == 1, f"{name}: exactly one cell tagged 'parameters'"
     assert "smoke_mode()" in _src(tagged[0])
     assert any("assert" in _src(c) for c in code), f"{name}: checks are asserts in cells"
-    assert any("ipywidgets" in _src(c) or "widgets." in _src(c) for c in code), f"{name}: an interactive section"
+    assert any("widgets" in _src(c) for c in code), f"{name}: an interactive section"
     assert any("takeaway" in _src(c).lower() for c in cells if c["cell_type"] == "markdown"), f"{name}: takeaways"
     assert nb.get("metadata", {}).get("kernelspec", {}).get("name") == "python3"
