@@ -16,5 +16,15 @@ from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_token
 from .train import Trainer, load_checkpoint, measure, save_checkpoint, train, weights_sha256
 from .compare import compare, comparison_table
 from .plots import LivePlot, draw_timeline, plot_breakdown
+from .techniques.attention import attention_memory, attention_run, quadratic_fit, random_qkv
+from .techniques.precision import autocast, fp16_overflow_demo
+from .estimate import estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
+from .oom import OutOfMemoryWithAdvice, oom_guard
+from .techniques.checkpoint import checkpoint_blocks, saved_bytes
+from .techniques.accumulation import micro_batch_sizes, window_loss
+from .techniques.compress import int8_saved_tensors
+from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param
+from .techniques.fused_step import FusedStepOptimizer
+from .techniques.offload import HostOptimizer, host_ram_guard, offloaded, stream_blocks
 
 __version__ = "0.1.0"

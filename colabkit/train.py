@@ -27,6 +27,12 @@ from .memory import MemoryTracker
 from .models import build_model, count_params, logits_of
 from .plan import Context, Plan, PlanError, param_groups, REGISTRY
 
+
+def _oom_guard(*args, **kwargs):
+    from .oom import oom_guard  # imported here: oom -> estimate -> train
+
+    return oom_guard(*args, **kwargs)
+
 ModelFn = Callable[[], torch.nn.Module]
 
 
@@ -41,7 +47,8 @@ def _device(device: str | torch.device | None) -> torch.device:
 def split_micro(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Split an effective batch (B, S) into k micro-batches along B; the last may be smaller."""
     if k > x.shape[0]:
-        raise PlanError(f"accum:{k} needs at least {k} sequences per step, got batch {x.shape[0]}")
+        raise PlanError(f"accum:{k} needs at least {k} sequences per step, got batch {x.shape[0]}: "
+                        f"use accum:{x.shape[0]} or less, or a larger batch")
     return list(zip(x.tensor_split(k), y.tensor_split(k)))
 
 
@@ -269,7 +276,10 @@ def train(
                 tracker.set_step(step)
             _sync(dev)
             t0 = time.perf_counter()
-            loss = trainer.step(x, y)
+            # a CUDA OOM: freed, snapshot saved, categories shown, a plan that fits suggested (colabkit.oom)
+            with _oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
+                            gpu="t4" if dev.type == "cuda" else None) if tracker is not None else contextlib.nullcontext():
+                loss = trainer.step(x, y)
             _sync(dev)
             dt = time.perf_counter() - t0
             losses.append(loss)

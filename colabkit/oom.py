@@ -1,0 +1,123 @@
+"""OOM post-mortem: when a CUDA out-of-memory happens, free what can be freed, save a snapshot, show
+what filled memory by category, and suggest the cheapest plan the planner says fits.
+
+``train`` runs its steps inside :func:`oom_guard`; wrap your own code the same way:
+
+>>> with oom_guard(reraise=False, verbose=False) as pm:
+...     raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+>>> pm.caught, sorted(pm.report["at_oom"]) == sorted(CATEGORIES)
+(True, True)
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+import traceback
+from typing import Any, Iterator
+
+import torch
+
+from .memory import ADVICE, CATEGORIES, MemoryTracker, fmt_bytes
+
+
+class OutOfMemoryWithAdvice(torch.OutOfMemoryError):
+    """The original OOM, with the post-mortem (``.postmortem``) in its message and as a dict."""
+
+    def __init__(self, message: str, postmortem: dict[str, Any]):
+        super().__init__(message)
+        self.postmortem = postmortem
+
+
+class PostMortem:
+    """What :func:`oom_guard` found: ``caught``, and ``report`` (by category, snapshot, suggestion)."""
+
+    def __init__(self):
+        self.caught = False
+        self.report: dict[str, Any] = {}
+
+    def text(self) -> str:
+        r = self.report
+        if not r:
+            return "no out-of-memory"
+        lines = [f"colabkit: out of memory ({r['error']})", f"{'category':<12} {'live at OOM':>12}"]
+        lines += [f"{c:<12} {fmt_bytes(r['at_oom'][c]):>12}" for c in CATEGORIES]
+        lines.append(f"largest: {r['largest']}. Try: {ADVICE[r['largest']]}")
+        lines.append(f"freed {fmt_bytes(r['freed_bytes'])}; snapshot: {r['snapshot']}")
+        if r.get("suggestion"):
+            s = r["suggestion"]
+            lines.append(f"cheapest plan that fits (planner): {s['plan']} — predicted peak {fmt_bytes(s['peak_bytes'])}, "
+                         f"step-time overhead {s['overhead']:+.0%}")
+        elif r.get("suggestion_error"):
+            lines.append(f"no plan suggestion: {r['suggestion_error']}")
+        return "\n".join(lines)
+
+
+def suggest(model: str | Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,
+            budget_bytes: int | None = None, candidates: list[str] | None = None) -> dict[str, Any] | None:
+    """The cheapest plan (by the planner's cost model) whose estimate fits ``budget_bytes``; None if none.
+
+    >>> suggest("gpt-tiny", 2, 16, candidates=["baseline"])["plan"]
+    'baseline'
+    """
+    from .estimate import plans
+
+    rows = plans(model, batch=batch, seq=seq, gpu=gpu, device=device, candidates=candidates, budget_bytes=budget_bytes)
+    fit = [r for r in rows if r["fits"]]
+    return {k: fit[0].get(k) for k in ("plan", "peak_bytes", "overhead", "breakdown")} if fit else None
+
+
+@contextlib.contextmanager
+def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, batch: int | None = None,
+              seq: int | None = None, plan: str | None = None, trainer: Any = None, gpu: str | None = "t4",
+              snapshot_dir: str | None = None, reraise: bool = True, candidates: list[str] | None = None,
+              verbose: bool = True) -> Iterator[PostMortem]:
+    """Catch ``torch.OutOfMemoryError`` in the block and write a post-mortem.
+
+    With a running ``tracker`` the categories are what it sees live at the OOM; without one, a tracker
+    is started around the block. With ``model``/``batch``/``seq`` the planner suggests a plan that fits
+    the tracker's budget. ``reraise`` raises :class:`OutOfMemoryWithAdvice` (an OutOfMemoryError).
+    """
+    pm = PostMortem()
+    own = tracker is None
+    ctx = MemoryTracker(alert_at=None) if own else contextlib.nullcontext(tracker)
+    tr: MemoryTracker
+    with contextlib.ExitStack() as stack:
+        tr = stack.enter_context(ctx)
+        try:
+            yield pm
+            return
+        except torch.OutOfMemoryError as err:
+            if isinstance(err, OutOfMemoryWithAdvice):
+                raise
+            error = str(err).splitlines()[0] if str(err) else "out of memory"
+            at_oom = tr.current()  # while the failed step's frames (and their tensors) are still alive
+            path = os.path.join(snapshot_dir or tempfile.gettempdir(),
+                                "colabkit-oom-snapshot" + (".pickle" if tr.is_cuda and tr.record_history else ".json"))
+            tr.snapshot(path)
+            # the failed step's frames hold its activations: clear their locals so they can be freed
+            traceback.clear_frames(err.__traceback__)
+            del err
+        # free: gradients of the failed step, the exception's frames, the allocator's cached blocks
+        if trainer is not None:
+            trainer.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        freed = sum(at_oom.values()) - sum(tr.current().values())
+        pm.caught = True
+        pm.report = {"error": error, "at_oom": at_oom, "largest": max(at_oom, key=at_oom.get),
+                     "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None}
+    if model is not None and batch and seq:
+        try:
+            pm.report["suggestion"] = suggest(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
+                                              candidates=candidates)
+            if pm.report["suggestion"] is None:
+                pm.report["suggestion_error"] = "no candidate plan fits: use a smaller batch, sequence or model"
+        except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)
+            pm.report["suggestion_error"] = f"{type(e).__name__}: {e}"
+    if verbose:
+        print(pm.text())
+    if reraise:
+        raise OutOfMemoryWithAdvice(pm.text(), pm.report)

@@ -1,0 +1,145 @@
+"""The estimator against the measurement: fake-tensor trace of the real Trainer vs ``measure`` on CPU
+(issue 6: within 5%), the GPU-profile accounting (offload to host, the T4 budget), the depth
+extrapolation the planner uses, the analytic formula, and the planner/largest/CLI contracts."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from colabkit.estimate import _fast_estimate, analytic, estimate, largest, plans
+from colabkit.models import gpt_config
+from colabkit.plan import REGISTRY
+from colabkit.train import measure
+from tests.conftest import requires_cuda
+
+# The issue's cases. Tokens registered by other modules are checked once those modules exist.
+CASES = [(m, p) for m in ("gpt:4x128", "gpt:8x256")
+         for p in ("baseline", "checkpoint", "adamw8bit", "checkpoint+adamw8bit", "accum:2")]
+
+
+def _have(plan: str) -> bool:
+    return all(t.split(":")[0] in REGISTRY for t in plan.split("+") if t != "baseline")
+
+
+@pytest.mark.parametrize("model,plan", CASES, ids=[f"{m}-{p}" for m, p in CASES])
+def test_estimate_matches_measure_on_cpu(model, plan):
+    if not _have(plan):
+        pytest.skip(f"plan token of {plan!r} not registered in this checkout")
+    est = estimate(model, plan, batch=8, seq=128, device="cpu")
+    got = measure(model, plan, batch=8, seq=128, steps=2, device="cpu")
+    assert got["ok"], got["error"]
+    assert est["peak_bytes"] == pytest.approx(got["peak_bytes"], rel=0.05)
+    for cat in ("params", "grads", "optimizer"):  # state is exact, not only within 5%
+        assert est["breakdown"][cat] == pytest.approx(got["breakdown"][cat], rel=0.01, abs=4096), cat
+
+
+def test_offload_optimizer_moves_state_to_host():
+    # issue 6: gpt2-350m with offload:optimizer on a T4 keeps <= 5% of the optimizer state on the GPU.
+    # (The issue names fp16+offload:optimizer; offload.py refuses that pair, so the estimator does too.)
+    if not _have("offload:optimizer"):
+        pytest.skip("offload not registered in this checkout")
+    from colabkit.plan import Plan, PlanError
+
+    try:
+        Plan.parse("fp16+offload:optimizer")
+        from colabkit.estimate import check_as_gpu
+        check_as_gpu(Plan.parse("fp16+offload:optimizer"))
+        plan = "fp16+offload:optimizer"
+    except PlanError:
+        plan = "offload:optimizer"
+    cfg = gpt_config("gpt2-350m")
+    plain = _fast_estimate(cfg, plan.replace("offload:optimizer", "").strip("+") or "baseline", 1, 1024, "t4", None)
+    off = _fast_estimate(cfg, plan, 1, 1024, "t4", None)
+    state = plain["breakdown"]["optimizer"]
+    assert state == pytest.approx(8 * cfg.n_params, rel=0.01)  # AdamW: two fp32 moments
+    assert off["breakdown"]["optimizer"] <= 0.05 * state
+    assert off["host_bytes"] >= 0.95 * state
+    assert off["peak_bytes"] < plain["peak_bytes"] - 0.9 * state
+
+
+def test_gpu_profile_rounds_to_512_and_uses_t4_budget():
+    cpu = estimate("gpt:2x64", "baseline", batch=2, seq=16, device="cpu")
+    t4 = estimate("gpt:2x64", "baseline", batch=2, seq=16, gpu="t4")
+    assert t4["budget_bytes"] == int(14.5 * 1024**3)
+    assert all(v % 512 == 0 for v in t4["breakdown"].values())
+    assert t4["peak_bytes"] >= cpu["peak_bytes"]  # rounding only adds
+    assert any("15360 MiB" in n for n in t4["notes"])
+
+
+def test_bf16_refused_on_t4_profile():
+    from colabkit.plan import PlanError
+
+    if "bf16" not in REGISTRY:
+        pytest.skip("bf16 not registered in this checkout")
+    with pytest.raises(PlanError, match="bf16"):
+        estimate("gpt:2x64", "bf16", batch=2, seq=16, gpu="t4")
+
+
+def test_depth_extrapolation_matches_full_trace():
+    cfg = gpt_config("gpt:6x128")
+    fast = _fast_estimate(cfg, "baseline", 4, 64, None, "cpu")
+    full = estimate("gpt:6x128", "baseline", batch=4, seq=64, device="cpu")
+    assert fast["peak_bytes"] == pytest.approx(full["peak_bytes"], rel=0.01)
+    assert fast["params"] == full["params"]
+
+
+def test_analytic_formula_is_shown_with_its_error():
+    r = estimate("gpt:4x128", "baseline", batch=8, seq=128, device="cpu")
+    a = r["analytic"]
+    assert a["bytes_per_param"] == 16.0  # fp32 weights 4 + grads 4 + AdamW 8
+    assert a["error_vs_trace"] == pytest.approx((a["total"] - r["peak_bytes"]) / r["peak_bytes"])
+    # the textbook s*b*h*34 (x2 for fp32) per layer: 128*8*128*34*2 bytes
+    assert a["activations_per_layer"] == 128 * 8 * 128 * 34 * 2
+    assert abs(a["error_vs_trace"]) < 0.5
+
+
+def test_planner_ranks_fitting_plans_by_cost():
+    if not _have("checkpoint"):
+        pytest.skip("checkpoint not registered in this checkout")
+    rows = plans("gpt:4x128", batch=8, seq=128, device="cpu", candidates=["baseline", "checkpoint"],
+                 budget_bytes=40 * 2**20)  # between checkpoint's peak (~25 MB) and baseline's (~49 MB)
+    assert [r["plan"] for r in rows] == ["checkpoint", "baseline"]
+    assert rows[0]["fits"] and not rows[1]["fits"]
+    assert rows[0]["overhead"] == pytest.approx(0.33)
+
+
+def test_largest_baseline_t4_in_issue_range():
+    r = largest("baseline", seq=1024, batch=1, gpu="t4")  # fp32 AdamW: 16 B/param -> 0.5-1.0B
+    assert 0.5e9 <= r["params"] <= 1.0e9
+    assert r["peak_bytes"] <= r["budget_bytes"]
+
+
+def test_cli_estimate_json():
+    out = subprocess.run([sys.executable, "-m", "colabkit", "estimate", "--model", "gpt:2x64", "--plan", "baseline",
+                          "--batch", "2", "--seq", "16", "--device", "cpu", "--json", "-"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert {"peak_bytes", "breakdown", "host_bytes", "fits", "budget_bytes"} <= set(r)
+    assert r["breakdown"]["params"] == 4 * r["params"]
+
+
+GPU_PAIRS = [(m, p) for m in ("gpt-small", "gpt2-124m")
+             for p in ("baseline", "fp16", "checkpoint", "adamw8bit", "fp16+checkpoint+adamw8bit")]
+
+
+@requires_cuda
+@pytest.mark.parametrize("model,plan", GPU_PAIRS, ids=[f"{m}-{p}" for m, p in GPU_PAIRS])
+def test_estimate_matches_cuda_under_t4_emulation(model, plan):
+    # issue 6: >= 10 model x plan pairs against torch.cuda.max_memory_allocated under T4 emulation.
+    # The estimate adds what the trace cannot see (cuBLAS workspace, kernel choice) to no figure,
+    # so the tolerance is wider than the CPU's 5%.
+    import torch
+
+    from colabkit.env import emulate_t4
+
+    emulate_t4(True)
+    try:
+        got = measure(model, plan, batch=4, seq=512, steps=2, device="cuda")
+        est = estimate(model, plan, batch=4, seq=512, gpu="t4")
+    finally:
+        emulate_t4(False)
+    assert got["ok"], got["error"]
+    print(f"{torch.cuda.get_device_name()} {model} {plan}: estimate {est['peak_bytes']} measured {got['peak_bytes']}")
+    assert est["peak_bytes"] == pytest.approx(got["peak_bytes"], rel=0.10)
