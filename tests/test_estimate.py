@@ -9,7 +9,6 @@ import pytest
 
 from colabkit.estimate import _fast_estimate, analytic, estimate, largest, plans
 from colabkit.models import gpt_config
-from colabkit.plan import REGISTRY
 from colabkit.train import measure
 from tests.conftest import requires_cuda
 
@@ -18,14 +17,8 @@ CASES = [(m, p) for m in ("gpt:4x128", "gpt:8x256")
          for p in ("baseline", "checkpoint", "adamw8bit", "checkpoint+adamw8bit", "accum:2")]
 
 
-def _have(plan: str) -> bool:
-    return all(t.split(":")[0] in REGISTRY for t in plan.split("+") if t != "baseline")
-
-
 @pytest.mark.parametrize("model,plan", CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def test_estimate_matches_measure_on_cpu(model, plan):
-    if not _have(plan):
-        pytest.skip(f"plan token of {plan!r} not registered in this checkout")
     est = estimate(model, plan, batch=8, seq=128, device="cpu")
     got = measure(model, plan, batch=8, seq=128, steps=2, device="cpu")
     assert got["ok"], got["error"]
@@ -35,22 +28,11 @@ def test_estimate_matches_measure_on_cpu(model, plan):
 
 
 def test_offload_optimizer_moves_state_to_host():
-    # issue 6: gpt2-350m with offload:optimizer on a T4 keeps <= 5% of the optimizer state on the GPU.
-    # (The issue names fp16+offload:optimizer; offload.py refuses that pair, so the estimator does too.)
-    if not _have("offload:optimizer"):
-        pytest.skip("offload not registered in this checkout")
-    from colabkit.plan import Plan, PlanError
-
-    try:
-        Plan.parse("fp16+offload:optimizer")
-        from colabkit.estimate import check_as_gpu
-        check_as_gpu(Plan.parse("fp16+offload:optimizer"))
-        plan = "fp16+offload:optimizer"
-    except PlanError:
-        plan = "offload:optimizer"
+    # issue 6: `estimate --model gpt2-350m --plan fp16+offload:optimizer --gpu t4` keeps <= 5% of the
+    # optimizer state on the GPU and the rest in host_bytes.
     cfg = gpt_config("gpt2-350m")
-    plain = _fast_estimate(cfg, plan.replace("offload:optimizer", "").strip("+") or "baseline", 1, 1024, "t4", None)
-    off = _fast_estimate(cfg, plan, 1, 1024, "t4", None)
+    plain = estimate("gpt2-350m", "fp16", batch=1, seq=1024, gpu="t4")
+    off = estimate("gpt2-350m", "fp16+offload:optimizer", batch=1, seq=1024, gpu="t4")
     state = plain["breakdown"]["optimizer"]
     assert state == pytest.approx(8 * cfg.n_params, rel=0.01)  # AdamW: two fp32 moments
     assert off["breakdown"]["optimizer"] <= 0.05 * state
@@ -70,8 +52,6 @@ def test_gpu_profile_rounds_to_512_and_uses_t4_budget():
 def test_bf16_refused_on_t4_profile():
     from colabkit.plan import PlanError
 
-    if "bf16" not in REGISTRY:
-        pytest.skip("bf16 not registered in this checkout")
     with pytest.raises(PlanError, match="bf16"):
         estimate("gpt:2x64", "bf16", batch=2, seq=16, gpu="t4")
 
@@ -95,8 +75,6 @@ def test_analytic_formula_is_shown_with_its_error():
 
 
 def test_planner_ranks_fitting_plans_by_cost():
-    if not _have("checkpoint"):
-        pytest.skip("checkpoint not registered in this checkout")
     rows = plans("gpt:4x128", batch=8, seq=128, device="cpu", candidates=["baseline", "checkpoint"],
                  budget_bytes=40 * 2**20)  # between checkpoint's peak (~25 MB) and baseline's (~49 MB)
     assert [r["plan"] for r in rows] == ["checkpoint", "baseline"]

@@ -34,7 +34,6 @@ def test_cpu_run_is_refused_plainly(tok):
 
 @pytest.mark.parametrize("plan,kw,match", [
     ("offload:optimizer", {"max_grad_norm": 1.0}, "clipping"),
-    ("offload:optimizer+fp16", {}, "GradScaler"),
     ("offload:optimizer+fused-step", {}, "keep one"),
     ("offload:activations+compress:int8", {}, "keep one"),
     ("offload:params+checkpoint", {}, "drop 'checkpoint'"),
@@ -79,6 +78,38 @@ def test_host_optimizer_matches_plain_adamw_with_accumulation_and_scheduler():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     n = sum(p.numel() for p in b.parameters())
     assert host.host_bytes() >= 4 * n * 4  # master + grad buffer + two moments, all fp32
+
+
+def test_host_optimizer_under_grad_scaler_matches_plain_and_skips_inf():
+    # fp16 + offload:optimizer: the GradScaler unscales and inf-checks the host gradient copies
+    # (HostOptimizer.param_groups), skips the step on inf, and the next step starts clean.
+    torch.manual_seed(0)
+    a = build_model("gpt:2x32", seq=32)
+    b = copy.deepcopy(a)
+    plain = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    host = off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
+    sc_a, sc_b = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    def poison(g):  # an inf in one gradient element, as it arrives
+        g = g.clone()
+        g[0, 0] = float("inf")
+        return g
+
+    for step in range(3):
+        x, y = _batch(step)
+        handles = [m.wte.weight.register_hook(poison) for m in (a, b)] if step == 1 else []
+        before = [p.detach().clone() for p in b.parameters()]
+        for sc, model, opt in ((sc_a, a, plain), (sc_b, b, host)):
+            sc.scale(_loss(model, x, y)).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+        for h in handles:
+            h.remove()
+        if step == 1:  # skipped: weights unchanged, scale backed off on both
+            assert all(torch.equal(p, q) for p, q in zip(before, b.parameters()))
+            assert sc_b.get_scale() == sc_a.get_scale() == 512.0
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_stream_blocks_equals_plain_forward_backward():

@@ -142,13 +142,19 @@ class HostOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # device gradients are already gone (moved in backward); host buffers are overwritten by
-        # the next step's first gradient, so only host-resident parameters have a .grad to clear
+        # the next step's first gradient (also after a step the GradScaler skipped), so only
+        # host-resident parameters have a .grad to clear
         for p, h in self._pairs:
             if h is p and p.grad is not None:
                 p.grad = None if set_to_none else p.grad.zero_()
+            self._fresh[id(p)] = True
 
     @property
     def param_groups(self) -> list[dict]:
+        # The GradScaler unscales and inf-checks the gradients it finds here — the host copies —
+        # so the copies still in flight on the side stream must land first.
+        if self.stream is not None:
+            self.stream.synchronize()
         return self.optimizer.param_groups
 
     @property
@@ -414,9 +420,6 @@ def _check(plan: Plan, ctx: Context) -> None:
         if ctx.max_grad_norm is not None:
             raise PlanError("'offload:optimizer' moves each gradient to host RAM inside backward, so global-norm "
                             "clipping on the GPU would see no gradients: train without max_grad_norm, or drop offload:optimizer")
-        if "fp16" in plan:
-            raise PlanError("'offload:optimizer' with 'fp16' is not supported: the GradScaler checks gradients on "
-                            "the GPU, which have already moved to the host. Use fp32 weights, or drop offload:optimizer")
         if "fused-step" in plan:
             raise PlanError("'offload:optimizer' and 'fused-step' both take the gradient inside backward: keep one "
                             "(offload:optimizer already frees each gradient on the GPU as it arrives)")
