@@ -204,7 +204,7 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
     if every:
         every = 1 if every is True else int(every)
         acts = (L / every) * 2 * s * b * h * scale + per_layer + (L - L / every) * per_layer
-        formula += f"; checkpoint: 2*s*b*h per checkpointed layer + 1 layer recomputed"
+        formula += "; checkpoint: 2*s*b*h per checkpointed layer + 1 layer recomputed"
     else:
         acts = L * per_layer
     logits = b * s * V * (2 + 4 + 4 if half else 4 + 4)  # logits, fp32 copy for the loss, its grad

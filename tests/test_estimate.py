@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from colabkit.estimate import _fast_estimate, analytic, estimate, largest, plans
+from colabkit.estimate import _fast_estimate, estimate, largest, plans
 from colabkit.models import gpt_config
 from colabkit.train import measure
 from tests.conftest import requires_cuda

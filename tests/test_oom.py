@@ -10,7 +10,6 @@ import torch
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model, count_params
 from colabkit.oom import OutOfMemoryWithAdvice, oom_guard
-from colabkit.plan import REGISTRY
 from colabkit.train import train
 
 
@@ -49,8 +48,6 @@ def test_train_oom_postmortem(tmp_path, monkeypatch):
 
 
 def test_guard_suggests_cheapest_plan_that_fits(tmp_path):
-    if "checkpoint" not in REGISTRY:
-        pytest.skip("checkpoint not registered in this checkout")
     # a 40 MiB budget: gpt:4x128 at batch 8 x 128 needs ~49 MB plain and ~25 MB with checkpoint
     tracker = MemoryTracker(device="cpu", budget_bytes=40 * 2**20, alert_at=None)
     with tracker, oom_guard(tracker, model="gpt:4x128", batch=8, seq=128, reraise=False, verbose=False,
