@@ -190,7 +190,7 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
 
     n = cfg.n_params if hasattr(cfg, "n_params") else trainable_params or 0
     trainable = trainable_params if trainable_params is not None else n
-    opt = state_bytes_per_param(plan.optimizer) if plan.optimizer in REGISTRY else 8.0
+    opt = state_bytes_per_param(plan.optimizer_token) if plan.optimizer in REGISTRY else 8.0
     half = "fp16" in plan or "bf16" in plan
     b = batch // plan.get("accum", 1) or 1
     s, h, L, a, V = seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size
@@ -323,8 +323,8 @@ def _trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: i
                          f"counted as NF4 (nf4_bytes), the rest of the frozen base as fp32 ({-saved:+,} B); "
                          "bitsandbytes cannot quantize fake tensors")
             return t
-        opt = plan.optimizer
-        if opt == "sgd":
+        opt = plan.optimizer_token
+        if plan.optimizer == "sgd":
             raise
         from .techniques.optimizers import state_bytes_per_param
 

@@ -165,6 +165,11 @@ class Plan:
                 return name
         return "adamw"
 
+    @property
+    def optimizer_token(self) -> str:
+        """The optimizer as spelled, with its argument (``sgd:0.9``); ``adamw`` when none is named."""
+        return next((t for t in self.tokens if t.partition(":")[0] == self.optimizer), self.optimizer)
+
     def techniques(self) -> list[Technique]:
         """Registry entries of this plan (the default optimizer included), in application order."""
         names = {n for n, _ in self.values} | {self.optimizer}

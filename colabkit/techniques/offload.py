@@ -184,7 +184,7 @@ class HostOptimizer:
 def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> HostOptimizer:
     groups = optimizer.param_groups
     n = sum(p.numel() for g in groups for p in g["params"] if not getattr(p, "_colabkit_host", False))
-    host_ram_guard(int(n * (8 + state_bytes_per_param(plan.optimizer))), "optimizer state + fp32 master weights")
+    host_ram_guard(int(n * (8 + state_bytes_per_param(plan.optimizer_token))), "optimizer state + fp32 master weights")
     cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
                       weight_decay=ctx.weight_decay)
     make = lambda hg: REGISTRY[plan.optimizer].make_optimizer(hg, plan, cpu_ctx)  # noqa: E731
