@@ -26,5 +26,8 @@ from .techniques.compress import int8_saved_tensors
 from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param
 from .techniques.fused_step import FusedStepOptimizer
 from .techniques.offload import HostOptimizer, host_ram_guard, offloaded, stream_blocks
+from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora, nf4_bytes, save_adapters
+from .instruct import InstructData, generate
+from .hf import load_hf_4bit
 
 __version__ = "0.1.0"

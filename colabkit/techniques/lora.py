@@ -1,0 +1,362 @@
+"""LoRA and QLoRA: train rank-R adapters (peft) on a frozen base; ``qlora`` stores the base's linear
+layers in 4-bit NF4 with double quantization (bitsandbytes).
+
+Plan tokens: ``lora:R`` (16-bit frozen base: fp16 on CUDA, bf16 on the CPU) and ``qlora:R`` (NF4 base,
+compute dtype fp16 on CUDA, fp32 on the CPU). Targets default to the architecture's attention and MLP
+projections; ``lora:R:attn``, ``lora:R:mlp``, ``lora:R:all`` or ``lora:R:q_proj,v_proj`` override them.
+Only adapters train, so gradients and optimizer state shrink to the adapters' size (about
+``R·(d_in+d_out)`` per target instead of ``d_in·d_out``).
+
+>>> from colabkit.plan import Plan
+>>> Plan.parse("qlora:8").get("qlora")
+(8, None)
+>>> Plan.parse("lora:4:attn").get("lora")
+(4, ('attn',))
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from .. import hf as _hf  # noqa: F401  (registers the llama:LxD family)
+from ..plan import Context, Plan, PlanError, Technique, register
+
+# Target modules per architecture: attention projections, MLP projections.
+TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "GPT": (("qkv", "proj"), ("fc", "fc_proj")),  # colabkit.models.GPT
+    "llama": (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")),
+    "gpt2": (("c_attn",), ("c_fc", "c_proj")),  # c_proj is in both; listed once
+    "phi": (("q_proj", "k_proj", "v_proj", "dense"), ("fc1", "fc2")),
+    "gpt_neox": (("query_key_value", "dense"), ("dense_h_to_4h", "dense_4h_to_h")),
+    "falcon": (("query_key_value", "dense"), ("dense_h_to_4h", "dense_4h_to_h")),
+}
+# These HF families use Llama's module names.
+for _arch in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "olmo", "olmo2", "granite"):
+    TARGETS[_arch] = TARGETS["llama"]
+SKIP = ("lm_head", "embed_out", "output")  # never quantized nor adapted: the (often tied) output head
+
+
+def _arch(model: nn.Module) -> str:
+    if type(model).__name__ == "GPT":
+        return "GPT"
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
+def target_modules(model: nn.Module, which: Iterable[str] | None = None) -> list[str]:
+    """Module names to adapt: ``which`` = None/"all" (attention + MLP), "attn", "mlp", or explicit names.
+    Unknown architectures fall back to every linear layer inside the transformer blocks.
+
+    >>> from colabkit.models import build_model
+    >>> target_modules(build_model("gpt-tiny"), ["attn"])
+    ['qkv', 'proj']
+    """
+    which = list(which or ["all"])
+    arch = _arch(model)
+    if arch in TARGETS:
+        attn, mlp = TARGETS[arch]
+    else:  # every linear layer that is not the head
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in SKIP})
+        attn, mlp = tuple(names), ()
+    out: list[str] = []
+    for w in which:
+        names = {"all": attn + mlp, "attn": attn, "mlp": mlp}.get(w, (w,))
+        out += [n for n in names if n not in out]
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [n for n in out if n not in present]
+    if missing or not out:
+        raise PlanError(f"LoRA targets {missing or which} are not modules of this {arch} model; "
+                        f"use attn, mlp, all, or names from: {', '.join(sorted(set(attn + mlp)))}")
+    return out
+
+
+def _parse(arg: str | None) -> tuple[int, tuple[str, ...] | None]:
+    if arg is None:
+        raise PlanError("needs a rank, e.g. ':8' (optionally ':8:attn' or ':8:q_proj,v_proj' for the targets)")
+    rank, _, targets = arg.partition(":")
+    if not rank.isdigit() or int(rank) < 1:
+        raise PlanError(f"rank ':{rank}' is not a positive whole number, e.g. lora:8")
+    names = tuple(t for t in targets.split(",") if t) if targets else None
+    return int(rank), names
+
+
+# ----- 4-bit NF4 base ---------------------------------------------------------------------------
+def _require(module: str, what: str):
+    try:
+        return __import__(module)
+    except ImportError as e:
+        raise PlanError(f"{what} needs {module}: pip install 'colabkit[hf]' (or pip install {module})") from e
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """True when the model already holds bitsandbytes 4-bit layers (e.g. loaded with BitsAndBytesConfig)."""
+    import bitsandbytes as bnb
+
+    return any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                  skip: Iterable[str] = SKIP, blocksize: int = 64) -> nn.Module:
+    """Replace every ``nn.Linear`` (except the head and tied weights) by a frozen bitsandbytes
+    ``Linear4bit`` in NF4 with double quantization, in place, quantizing on ``device``.
+
+    Storage per weight: 4 bits + an 8-bit absmax per block of 64 + an fp32 absmax per 256 blocks.
+    >>> m = quantize_4bit(nn.Sequential(nn.Linear(64, 64)))
+    >>> type(m[0]).__name__, m[0].weight.dtype
+    ('Linear4bit', torch.uint8)
+    """
+    import bitsandbytes as bnb
+
+    skip = set(skip)
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or cname in skip or counts.get(id(child.weight), 0) > 1:
+                continue
+            with torch.device("meta"):  # no throwaway fp32 weight
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
+            w = child.weight.detach().to(torch.float32 if compute_dtype == torch.float32 else torch.float16)
+            q.weight = bnb.nn.Params4bit(w.cpu() if torch.device(device).type == "cuda" else w, requires_grad=False,
+                                         compress_statistics=True, quant_type="nf4", blocksize=blocksize).to(device)
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.detach().to(device), requires_grad=False)
+            setattr(parent, cname, q)
+            del child, w
+    return model
+
+
+# ----- adapters ----------------------------------------------------------------------------------
+def enable_input_grads(model: nn.Module) -> None:
+    """Make the embedding output require grad, as ``prepare_model_for_kbit_training`` does, so that
+    reentrant activation checkpointing of frozen blocks still back-propagates into the adapters."""
+    if getattr(model, "_colabkit_input_grads", False):
+        return
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "wte", None)
+    if emb is None:
+        raise PlanError(f"cannot find the input embedding of {type(model).__name__} to enable input gradients")
+    emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_(True) if not out.requires_grad else None)
+    model._colabkit_input_grads = True
+
+
+def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None, alpha: float | None = None,
+               dropout: float = 0.0, base_dtype: torch.dtype | None = None, quantize: bool = False,
+               compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Freeze ``model``, optionally store its base in ``base_dtype`` or 4-bit NF4 (``quantize``), and
+    inject fp32 peft LoRA adapters (A: R×d_in random, B: d_out×R zeros, scale alpha/R; alpha = 2R
+    by default) on ``targets``, in place. At initialisation the output equals the base's.
+
+    >>> from colabkit.models import build_model, count_params
+    >>> m = apply_lora(build_model("gpt-tiny"), rank=4)
+    >>> count_params(m, trainable_only=True)  # 2 layers × 4 × (64+192 + 64+64 + 64+256 + 256+64)
+    8192
+    """
+    _require("peft", "lora:R")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = target_modules(model, targets)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if quantize:
+        _require("bitsandbytes", "qlora:R")
+        import bitsandbytes as bnb
+
+        if not is_quantized(model):
+            quantize_4bit(model, compute_dtype=compute_dtype, device=device)
+            if compute_dtype != torch.float32:  # the unquantized rest (embeddings, norms) in the compute dtype
+                for p in model.parameters():
+                    if p.dtype == torch.float32:
+                        p.data = p.data.to(compute_dtype)
+        for m in model.modules():
+            if isinstance(m, bnb.nn.Linear4bit):
+                # bitsandbytes repacks a layer for its AVX512-BF16 CPU kernel on the first no-grad eval forward,
+                # permanently (absmax rounded to bf16, double quantization undone): eval would no longer compute
+                # what training did, and the stored bytes would change. Keep one format.
+                m.support_avx512bf16_for_cpu = False
+    elif base_dtype is not None:  # parameters only: buffers such as RoPE's inv_freq keep their precision
+        for p in model.parameters():
+            p.data = p.data.to(base_dtype)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
+                     target_modules=names, bias="none")
+    inject_adapter_in_model(cfg, model)
+    for n, p in model.named_parameters():  # adapters train in fp32 whatever the base's dtype
+        if "lora_" in n:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    enable_input_grads(model)
+    model._colabkit_lora = {"rank": rank, "targets": names, "quantized": quantize}
+    return model
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter weights (a few MB instead of the whole model)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def save_adapters(model: nn.Module, path: str) -> str:
+    """Save the adapters only (``torch.save`` of :func:`adapter_state_dict` plus rank and targets).
+
+    >>> save_adapters(model, "adapters.pt")  # doctest: +SKIP
+    """
+    torch.save({"lora": model._colabkit_lora, "state": adapter_state_dict(model)}, path)
+    return path
+
+
+def load_adapters(model: nn.Module, path: str) -> nn.Module:
+    """Load adapters saved by :func:`save_adapters` into a model that already has the same adapters
+    (``apply_lora`` with the same rank/targets), or apply them first to a plain base model."""
+    from peft import set_peft_model_state_dict
+
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    info = getattr(model, "_colabkit_lora", None)
+    if info is None:
+        model = apply_lora(model, saved["lora"]["rank"], saved["lora"]["targets"])
+    elif (info["rank"], list(info["targets"])) != (saved["lora"]["rank"], list(saved["lora"]["targets"])):
+        raise ValueError(f"adapters in {path} have rank {saved['lora']['rank']} on {saved['lora']['targets']}, "
+                         f"this model has rank {info['rank']} on {info['targets']}: apply_lora with those first")
+    result = set_peft_model_state_dict(model, saved["state"])
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"adapter keys not in the model: {result.unexpected_keys[:3]}")
+    return model
+
+
+def dequantize(layer: nn.Module) -> torch.Tensor:
+    """The (d_out, d_in) weight a bitsandbytes ``Linear4bit`` computes with. bitsandbytes repacks the
+    weight for its AVX512-BF16 CPU kernel on the first no-grad eval forward; that layout is undone first."""
+    import bitsandbytes as bnb
+
+    data, qs = layer.weight.data, layer.weight.quant_state
+    if getattr(qs, "packing_format_for_cpu", False):
+        from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
+
+        data, qs = _convert_weight_packed_for_cpu_inverse(data, qs)
+        layer.weight.data, layer.weight.quant_state = data, qs
+    return bnb.functional.dequantize_4bit(data, qs)
+
+
+def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Fold the adapters into plain ``nn.Linear`` layers (W + scale·B·A) for inference, in place; a
+    4-bit base is dequantized first, so the merged layer is exact up to float rounding (re-quantizing
+    the sum would add a second rounding error). ``dtype`` defaults to the adapter dtype (fp32)."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora import LoraLayer
+
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if not isinstance(child, LoraLayer):
+                continue
+            base = child.get_base_layer()
+            if isinstance(base, bnb.nn.Linear4bit):
+                w = dequantize(base).float()
+            else:
+                w = base.weight.detach().float()
+            for name in child.active_adapters:
+                w = w + child.get_delta_weight(name).float()
+            out = nn.Linear(w.shape[1], w.shape[0], bias=base.bias is not None, device=w.device,
+                            dtype=dtype or torch.float32)
+            out.weight.data.copy_(w)
+            if base.bias is not None:
+                out.bias.data.copy_(base.bias.detach())
+            out.requires_grad_(False)
+            setattr(parent, cname, out)
+    model._colabkit_lora = None
+    return model
+
+
+# ----- analytic memory (shared with the estimator) -------------------------------------------------
+def nf4_bytes(n_weights: int, blocksize: int = 64, double_quant: bool = True) -> int:
+    """Bytes of one NF4 weight matrix: packed 4-bit values + absmax. Double quantization stores the
+    per-block absmax as 8 bits, plus an fp32 absmax per 256 blocks and a 256-entry fp32 code.
+
+    >>> round(nf4_bytes(4096 * 4096) / (4096 * 4096), 3)  # bytes per weight: not 0.5
+    0.516
+    """
+    blocks = math.ceil(n_weights / blocksize)
+    absmax = blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4 if double_quant else 4 * blocks
+    return math.ceil(n_weights / 2) + absmax + 16 * 4  # + the 16-value NF4 code
+
+
+def lora_adapter_params(shapes: Iterable[tuple[int, int]], rank: int) -> int:
+    """Adapter parameters for target weight shapes (d_out, d_in): R·(d_in + d_out) each.
+    >>> lora_adapter_params([(768, 768)], 8)
+    12288"""
+    return sum(rank * (o + i) for o, i in shapes)
+
+
+def lora_memory(n_params: int, rank: int, d_model: int, n_layer: int, quantized: bool = True,
+                adapter_dims_per_layer: float | None = None, frozen_other: int | None = None,
+                base_bytes: int = 2, optimizer_bytes: int = 8) -> dict[str, int]:
+    """Analytic bytes of a (Q)LoRA run from a parameter count: ``params`` (base + fp32 adapters),
+    ``grads`` and ``optimizer`` (adapters only) and ``trainable`` (adapter parameter count).
+
+    The block linears are taken as ``n_params - frozen_other`` (default: all but a 256-byte-vocab
+    embedding) in NF4 (``quantized``) or ``base_bytes`` each; adapters add ``rank × dims`` per layer
+    where ``dims`` = Σ(d_in+d_out) over targets (16·D for a GPT block, ~19·D for a Llama block).
+    >>> m = lora_memory(124_000_000, 8, 768, 12, frozen_other=39_000_000)
+    >>> m["trainable"], m["optimizer"] == 8 * m["trainable"]
+    (1179648, True)
+    """
+    dims = adapter_dims_per_layer if adapter_dims_per_layer is not None else 16 * d_model
+    trainable = int(rank * dims * n_layer)
+    other = frozen_other if frozen_other is not None else 256 * d_model
+    linear = max(0, n_params - other)
+    base = nf4_bytes(linear) if quantized else base_bytes * linear
+    other_bytes = other * (4 if quantized else base_bytes)  # non-quantized frozen parts stay in the compute dtype
+    return {"params": base + other_bytes + 4 * trainable, "grads": 4 * trainable,
+            "optimizer": optimizer_bytes * trainable, "trainable": trainable}
+
+
+def lora_breakdown(model: nn.Module) -> dict[str, int]:
+    """Parameter counts of an adapted model: ``trainable`` (adapters), ``frozen`` and ``quantized_bytes``
+    (the packed 4-bit weights and their quantization state)."""
+    from ..memory import param_tensors
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    qbytes = sum(t.untyped_storage().nbytes() for t in param_tensors(model) if t.dtype == torch.uint8)
+    return {"trainable": trainable, "frozen": frozen, "quantized_bytes": qbytes}
+
+
+# ----- plan tokens ------------------------------------------------------------------------------
+def _check(plan: Plan, ctx: Context) -> None:
+    _require("peft", "lora:R / qlora:R")
+    if "qlora" in plan:
+        _require("bitsandbytes", "qlora:R")
+        offload = plan.get("offload") or ()
+        if "params" in offload:
+            raise PlanError("qlora and offload:params: the 4-bit base is already ~8x smaller and its packed weights "
+                            "are not streamed by offload:params; drop offload:params")
+        if plan.get("zero") == 3:
+            raise PlanError("qlora and zero:3: FSDP cannot shard bitsandbytes 4-bit weights; use zero:1 or zero:2")
+
+
+def _prepare(quantize: bool):
+    def prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
+        rank, targets = plan.get("qlora" if quantize else "lora")
+        if quantize:  # fp16 compute on a GPU (T4: no bf16 units); fp32 on the CPU
+            return apply_lora(model, rank, targets, quantize=True, device=ctx.device,
+                              compute_dtype=torch.float16 if ctx.cuda else torch.float32)
+        base = torch.float16 if ctx.cuda else torch.bfloat16  # CPUs have no fast fp16 matmul
+        return apply_lora(model, rank, targets, base_dtype=base)
+    return prepare
+
+
+register(Technique(
+    name="lora",
+    help="LoRA adapters of rank R on a frozen 16-bit base (fp16 on GPU, bf16 on CPU); lora:R:attn|mlp|names",
+    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(False), order=45,
+    examples=("lora:8", "lora:16", "lora:8:attn"),
+))
+register(Technique(
+    name="qlora",
+    help="LoRA adapters of rank R on a frozen 4-bit NF4 base (double quant; bitsandbytes)",
+    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(True), order=30,
+    examples=("qlora:8", "qlora:16", "qlora:8:attn"),
+))
