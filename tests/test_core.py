@@ -149,3 +149,17 @@ def test_cli_train_contract(tmp_path):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["step"] == 2 and len(data["weights_sha256"]) == 64 and data["loss"] > 0
+
+
+def test_benchmark_script_cpu_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--device", "cpu", "--model",
+                           "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--plan", "baseline",
+                           "--plan", "checkpoint", "--plan", "offload:optimizer", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    base, ck, off = data["results"]
+    assert base["ok"] and ck["ok"] and not off["ok"] and "nothing to offload" in off["error"]
+    assert abs(base["estimate_error"]) < 0.05  # the estimator traced the same step
+    assert "| `checkpoint` |" in (tmp_path / "r.md").read_text()
