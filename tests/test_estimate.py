@@ -88,6 +88,14 @@ def test_largest_baseline_t4_in_issue_range():
     assert r["peak_bytes"] <= r["budget_bytes"]
 
 
+@pytest.mark.parametrize("plan,at_least", [("checkpoint+adamw8bit+fused-step", 2.0e9), ("qlora:16+checkpoint", 14e9)])
+def test_largest_with_memory_plans_t4(plan, at_least):
+    # issue 6: the best full-training plan reaches >= 2.0B on a T4, QLoRA with checkpointing >= 14B
+    r = largest(plan, seq=1024, batch=1, gpu="t4")
+    assert r["params"] >= at_least
+    assert r["peak_bytes"] <= r["budget_bytes"]
+
+
 def test_cli_estimate_json():
     out = subprocess.run([sys.executable, "-m", "colabkit", "estimate", "--model", "gpt:2x64", "--plan", "baseline",
                           "--batch", "2", "--seq", "16", "--device", "cpu", "--json", "-"],
