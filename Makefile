@@ -15,4 +15,4 @@ quickstart: setup
 	$(PYTHON) -m colabkit.quickstart --out report
 
 test: setup
-	COLABKIT_SMOKE=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --durations=20 tests notebooks
+	COLABKIT_SMOKE=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --durations=20 --doctest-modules colabkit tests notebooks

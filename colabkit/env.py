@@ -6,10 +6,11 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform as _platform
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -185,6 +186,24 @@ def emulate_t4(enable: bool = True) -> dict[str, Any]:
 
 def emulating_t4() -> bool:
     return _EMULATING_T4
+
+
+@contextlib.contextmanager
+def t4_rules(on: bool = True) -> Iterator[None]:
+    """Answer capability questions (native bf16, SDPA backends) as a T4 would inside the block,
+    without capping memory: how the estimator checks a plan for a T4 from any machine.
+
+    >>> with t4_rules():
+    ...     native_bf16()
+    False
+    """
+    global _EMULATING_T4
+    prev = _EMULATING_T4
+    _EMULATING_T4 = prev or on
+    try:
+        yield
+    finally:
+        _EMULATING_T4 = prev
 
 
 def format_env(info: dict[str, Any] | None = None) -> str:

@@ -25,9 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import importlib
-
-_env = importlib.import_module("colabkit.env")  # the module (colabkit.env the attribute is the function)
+from .env import GPU_PROFILES, budget_bytes as _budget_bytes, env as _env_report, t4_rules
 from .memory import CATEGORIES, MemoryTracker, fmt_bytes
 from .models import GPT, GPT2_VOCAB, GPTConfig, build_model, count_params, gpt_config
 from .plan import REGISTRY, Plan, PlanError
@@ -61,20 +59,14 @@ class _HostScalars(TorchDispatchMode):
 def _profile(gpu: str | None, device: str | None) -> dict[str, Any] | None:
     if device == "cpu" or gpu is None:
         return None
-    if gpu.lower() not in _env.GPU_PROFILES:
-        raise ValueError(f"unknown GPU profile {gpu!r}: use one of {', '.join(_env.GPU_PROFILES)}, or device='cpu'")
-    return _env.GPU_PROFILES[gpu.lower()]
+    if gpu.lower() not in GPU_PROFILES:
+        raise ValueError(f"unknown GPU profile {gpu!r}: use one of {', '.join(GPU_PROFILES)}, or device='cpu'")
+    return GPU_PROFILES[gpu.lower()]
 
 
-@contextlib.contextmanager
 def _as_t4(profile: dict | None):
     """While checking a plan for a GPU profile, answer capability questions as that GPU would."""
-    prev = _env._EMULATING_T4
-    _env._EMULATING_T4 = prev or (profile is not None and not profile["native_bf16"])
-    try:
-        yield
-    finally:
-        _env._EMULATING_T4 = prev
+    return t4_rules(profile is not None and not profile["native_bf16"])
 
 
 def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset]:
@@ -120,7 +112,7 @@ def check_as_gpu(plan: Plan) -> None:
     A check that needs a real GPU to answer (it queries the device) is skipped: the trace checks again."""
     from .plan import Context
 
-    ctx = Context(device=torch.device("cuda"), env={**_env.env(), "device": "cuda", "gpu": "Tesla T4",
+    ctx = Context(device=torch.device("cuda"), env={**_env_report(), "device": "cuda", "gpu": "Tesla T4",
                                                    "capability": [7, 5], "bf16_native": False})
     for t in plan.techniques():
         if t.check is None:
@@ -286,7 +278,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         notes.append(f"budget {fmt_bytes(budget)}: {profile['name']} shows {profile['total_bytes'] // 2**20} MiB; "
                      f"usable = total minus CUDA context and allocator slack ({profile['source']})")
     else:
-        budget = budget_bytes or _env.budget_bytes()
+        budget = budget_bytes or _budget_bytes()
     out = {"model": model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom"),
            "plan": str(plan), "batch": batch, "seq": seq, "device": "cpu" if profile is None else gpu,
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
@@ -395,7 +387,7 @@ def candidate_plans(profile: str | None = "t4") -> list[str]:
                         toks = [t for t in (prec, ck, opt, fused, off) if t]
                         try:
                             p = Plan.parse(toks or "baseline")
-                            with _as_t4(_env.GPU_PROFILES.get(profile or "")):
+                            with _as_t4(GPU_PROFILES.get(profile or "")):
                                 if profile:
                                     check_as_gpu(p)
                                 else:
