@@ -70,6 +70,8 @@ class Technique:
       forward_context(plan, ctx) -> context manager around each forward + loss
       make_optimizer(param_groups, plan, ctx) -> optimizer   (techniques in group "optimizer")
       wrap_optimizer(optimizer, model, plan, ctx) -> optimizer-like (step/zero_grad/state_dict)
+      load_model(name, plan, ctx, seq) -> model, or None to build it normally (e.g. qlora loading a
+          hub model straight into 4-bit, so the 16-bit weights never exist)
     """
 
     name: str
@@ -83,6 +85,7 @@ class Technique:
     forward_context: Hook | None = None
     make_optimizer: Hook | None = None
     wrap_optimizer: Hook | None = None
+    load_model: Hook | None = None
     order: int = 60
 
     def tokens(self) -> tuple[str, ...]:

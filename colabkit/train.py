@@ -52,6 +52,24 @@ def split_micro(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Te
     return list(zip(x.tensor_split(k), y.tensor_split(k)))
 
 
+def load_model(name: str, plan: Plan | str = "baseline", seq: int | None = None,
+               device: str | torch.device | None = None) -> torch.nn.Module:
+    """Build a model by name for a plan: a technique may load it its own way (``qlora`` loads an
+    ``hf:<id>`` model straight into 4-bit on a GPU); otherwise :func:`colabkit.build_model` on ``device``.
+
+    >>> load_model("gpt-tiny", "baseline").config.n_layer
+    2
+    """
+    plan, dev = Plan.parse(plan), _device(device)
+    ctx = Context(device=dev)
+    for t in plan.techniques():
+        if t.load_model is not None:
+            model = t.load_model(name, plan, ctx, seq)
+            if model is not None:
+                return model
+    return build_model(name, seq=seq, device=dev)
+
+
 class Trainer:
     """A model with a plan applied, ready to take optimizer steps.
 
@@ -258,7 +276,7 @@ def train(
     losses, times, evals = [], [], []
     with ctx:
         if isinstance(model, str):
-            model = build_model(model, seq=seq, device=dev)
+            model = load_model(model, plan, seq=seq, device=dev)
         trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker)
         if resume and checkpoint_dir and load_checkpoint(trainer, checkpoint_dir):
             print(f"colabkit: resumed from step {trainer.step_count} in {checkpoint_dir}")
@@ -340,7 +358,7 @@ def measure(
         record["plan"] = str(plan)
         torch.manual_seed(seed)
         with tracker:
-            model = build_model(model_fn, seq=seq, device=dev) if isinstance(model_fn, str) else model_fn()
+            model = load_model(model_fn, plan, seq=seq, device=dev) if isinstance(model_fn, str) else model_fn()
             trainer = Trainer(model, plan, device=dev, lr=lr, model_name=name, tracker=tracker)
             record["params"] = count_params(trainer.model)
             record["trainable_params"] = count_params(trainer.model, trainable_only=True)

@@ -163,3 +163,19 @@ def test_benchmark_script_cpu_smoke(tmp_path):
     assert base["ok"] and ck["ok"] and not off["ok"] and "nothing to offload" in off["error"]
     assert abs(base["estimate_error"]) < 0.05  # the estimator traced the same step
     assert "| `checkpoint` |" in (tmp_path / "r.md").read_text()
+
+
+def test_load_model_hook_lets_a_technique_load_the_model():
+    from colabkit.plan import REGISTRY, Technique, register
+    from colabkit.train import load_model
+
+    sentinel = torch.nn.Linear(2, 2)
+    register(Technique(name="test-loader", help="test", load_model=lambda name, plan, ctx, seq: sentinel
+                       if name == "special" else None))
+    try:
+        assert load_model("special", "test-loader") is sentinel
+        assert load_model("gpt-tiny", "test-loader").config.n_layer == 2  # None: built normally
+    finally:
+        del REGISTRY["test-loader"]
+    # qlora only takes over for hub models on a GPU; on the CPU the base is quantized in prepare_model
+    assert REGISTRY["qlora"].load_model("hf:some/model", Plan.parse("qlora:8"), colabkit.Context(device=torch.device("cpu")), 64) is None

@@ -16,7 +16,7 @@ Only adapters train, so gradients and optimizer state shrink to the adapters' si
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -354,9 +354,19 @@ register(Technique(
     parse=_parse, group="adapters", check=_check, prepare_model=_prepare(False), order=45,
     examples=("lora:8", "lora:16", "lora:8:attn"),
 ))
+def _load_4bit(name: str, plan: Plan, ctx: Context, seq: int | None) -> nn.Module | None:
+    # A hub model on a GPU loads straight into NF4 (BitsAndBytesConfig): a 7B model never needs its
+    # 14 GB of 16-bit weights in host RAM or VRAM. Models built from config are quantized in prepare.
+    if name.startswith("hf:") and ctx.cuda:
+        from ..hf import load_hf_4bit
+
+        return load_hf_4bit(name[3:])
+    return None
+
+
 register(Technique(
     name="qlora",
     help="LoRA adapters of rank R on a frozen 4-bit NF4 base (double quant; bitsandbytes)",
-    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(True), order=30,
+    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(True), load_model=_load_4bit, order=30,
     examples=("qlora:8", "qlora:16", "qlora:8:attn"),
 ))
