@@ -7,7 +7,13 @@ whether it fits a free Colab T4, and apply it to your own model in a few lines.
 """
 from __future__ import annotations
 
-from . import techniques  # noqa: F401  (registers the plan tokens)
+import logging as _logging
+
+# On CPUs with AVX512-BF16, bitsandbytes warns at import that an optional hub kernel ("kernels"
+# package) is missing and falls back to its own CPU kernel, which is what runs here anyway.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
+from . import techniques  # noqa: F401,E402  (registers the plan tokens)
 from .data import ByteTokenizer, IGNORE_INDEX, TextData, corpus
 from .env import GPU_PROFILES, T4_USABLE_BYTES, emulate_t4, env, format_env, native_bf16, sdpa_backends, smoke_mode
 from .memory import CATEGORIES, MemoryTracker, fmt_bytes, format_report, show_snapshot
