@@ -179,3 +179,13 @@ def test_load_model_hook_lets_a_technique_load_the_model():
         del REGISTRY["test-loader"]
     # qlora only takes over for hub models on a GPU; on the CPU the base is quantized in prepare_model
     assert REGISTRY["qlora"].load_model("hf:some/model", Plan.parse("qlora:8"), colabkit.Context(device=torch.device("cpu")), 64) is None
+
+
+def test_measure_untracked_timing_keeps_memory_and_loss():
+    tracked = measure("gpt-tiny", "baseline", batch=4, seq=32, steps=2, timing_steps=0)
+    timed = measure("gpt-tiny", "baseline", batch=4, seq=32, steps=2, timing_steps=2)
+    # the extra steps only time: the record's memory and loss are those of the tracked steps
+    assert timed["loss"] == tracked["loss"] and timed["peak_bytes"] == tracked["peak_bytes"]
+    assert timed["breakdown"] == tracked["breakdown"]
+    assert timed["step_time_s"] > 0 and timed["step_time_tracked_s"] > 0
+    assert tracked["step_time_s"] == tracked["step_time_tracked_s"]
