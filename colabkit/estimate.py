@@ -141,8 +141,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     plan = Plan.parse(plan)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
-        tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62)
-        tracker.alloc_round = alloc_round
+        tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
         with tracker:
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
             params = count_params(trainer.model)

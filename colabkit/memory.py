@@ -164,6 +164,7 @@ class MemoryTracker:
         on_sample: called with each timeline sample (the live plot uses it).
         categories: False skips the dispatch mode (CUDA stats only; no per-op overhead).
         record_history: on CUDA, record allocator history for :meth:`snapshot`.
+        alloc_round: count each storage rounded up to this many bytes (the estimator's GPU profiles).
 
     Use :meth:`phase` to label forward/backward/optimizer, :meth:`set_step` to label steps and
     :meth:`reset_peaks` to start the measured window after warm-up.
@@ -179,6 +180,7 @@ class MemoryTracker:
         on_sample: Callable[[dict], None] | None = None,
         categories: bool = True,
         record_history: bool = False,
+        alloc_round: int = 1,
     ):
         if device is None:
             if model is not None and any(True for _ in model.parameters()):
@@ -194,7 +196,7 @@ class MemoryTracker:
         self.on_sample = on_sample
         self.categories = categories
         self.record_history = record_history and self.is_cuda
-        self.alloc_round = 1  # round each storage up to this many bytes (the estimator's GPU profiles)
+        self.alloc_round = alloc_round  # round each storage up to this many bytes (CUDA allocates 512 B blocks)
         self.timeline: list[dict] = []
         self.alerts: list[str] = []
         self._lock = threading.RLock()

@@ -17,15 +17,15 @@ step; stepping on an overflowed gradient would silently corrupt the weights).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from ..memory import optimizer_tensors
 from ..plan import Context, Plan, PlanError, Technique, register
+from ._wrapper import WrappedOptimizer
 
 
-class FusedStepOptimizer:
+class FusedStepOptimizer(WrappedOptimizer):
     """Wraps an optimizer so that its step runs per parameter inside backward.
 
     Each hook calls the wrapped optimizer's ``step()`` while only that parameter has a ``.grad``
@@ -68,26 +68,6 @@ class FusedStepOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        return optimizer_tensors(self.optimizer)
 
 
 def _check(plan: Plan, ctx: Context) -> None:

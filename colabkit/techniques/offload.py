@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from ..env import host_ram
-from ..memory import fmt_bytes, optimizer_tensors
+from ..memory import fmt_bytes
 from ..models import blocks_of
 from ..plan import REGISTRY, Context, Plan, PlanError, Technique, register
+from ._wrapper import WrappedOptimizer
 from .optimizers import state_bytes_per_param
 
 KINDS = ("optimizer", "activations", "params")
@@ -73,7 +74,7 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 # ----- offload:optimizer -------------------------------------------------------------------------
-class HostOptimizer:
+class HostOptimizer(WrappedOptimizer):
     """An optimizer whose fp32 master weights, gradients and state live in host RAM.
 
     ``make(host_param_groups)`` builds the real optimizer on the host copies. Inside backward each
@@ -156,19 +157,6 @@ class HostOptimizer:
         if self.stream is not None:
             self.stream.synchronize()
         return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        return optimizer_tensors(self.optimizer)  # host tensors: a CUDA tracker does not count them
 
     def host_bytes(self) -> int:
         """Host RAM held: master weights, gradient buffers and optimizer state."""
