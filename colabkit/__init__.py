@@ -19,11 +19,13 @@ from .env import GPU_PROFILES, T4_USABLE_BYTES, emulate_t4, env, format_env, nat
 from .memory import CATEGORIES, MemoryTracker, fmt_bytes, format_report, show_snapshot
 from .models import GPT, GPTConfig, PRESETS, blocks_of, build_model, count_params, gpt_config
 from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_tokens, compatible, register
-from .train import Trainer, load_checkpoint, measure, save_checkpoint, train, weights_sha256
+from .trainer import Trainer, load_model, weights_sha256
+from .train import load_checkpoint, measure, save_checkpoint, train
 from .compare import compare, comparison_table
 from .plots import LivePlot, draw_timeline, plot_breakdown
 from .techniques.attention import attention_memory, attention_run, quadratic_fit, random_qkv
-from .techniques.precision import autocast, fp16_overflow_demo
+from .techniques.precision import autocast
+from .demos import fp16_overflow_demo
 from .estimate import estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
 from .oom import OutOfMemoryWithAdvice, oom_guard
 from .techniques.checkpoint import checkpoint_blocks, saved_bytes

@@ -15,7 +15,7 @@ import gc
 import os
 import tempfile
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,18 +54,16 @@ class PostMortem:
         return "\n".join(lines)
 
 
-def suggest(model: str | Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,
-            budget_bytes: int | None = None, candidates: list[str] | None = None) -> dict[str, Any] | None:
-    """The cheapest plan (by the planner's cost model) whose estimate fits ``budget_bytes``; None if none.
+# The planner lives above the train loop; it registers itself here when colabkit is imported, so the
+# guard can suggest a plan without importing a layer above it. ``suggest(model, batch, seq, gpu=...,
+# budget_bytes=...) -> {"plan", "peak_bytes", "overhead", "breakdown"} | None``.
+_SUGGESTER: Callable[..., dict[str, Any] | None] | None = None
 
-    >>> suggest("gpt-tiny", 2, 16, candidates=["baseline"])["plan"]
-    'baseline'
-    """
-    from .estimate import plans
 
-    rows = plans(model, batch=batch, seq=seq, gpu=gpu, device=device, candidates=candidates, budget_bytes=budget_bytes)
-    fit = [r for r in rows if r["fits"]]
-    return {k: fit[0].get(k) for k in ("plan", "peak_bytes", "overhead", "breakdown")} if fit else None
+def register_suggester(fn: Callable[..., dict[str, Any] | None] | None) -> None:
+    """Install the function the guard asks for the cheapest plan that fits (the planner's ``suggest``)."""
+    global _SUGGESTER
+    _SUGGESTER = fn
 
 
 @contextlib.contextmanager
@@ -109,10 +107,10 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
         pm.caught = True
         pm.report = {"error": error, "at_oom": at_oom, "largest": max(at_oom, key=at_oom.get),
                      "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None}
-    if model is not None and batch and seq:
+    if model is not None and batch and seq and _SUGGESTER is not None:
         try:
-            pm.report["suggestion"] = suggest(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
-                                              candidates=candidates)
+            pm.report["suggestion"] = _SUGGESTER(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
+                                                 candidates=candidates)
             if pm.report["suggestion"] is None:
                 pm.report["suggestion_error"] = "no candidate plan fits: use a smaller batch, sequence or model"
         except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)

@@ -1,9 +1,7 @@
-"""One small training loop that every path uses: the CLI, ``measure``, the notebooks and the tests.
+"""The train loop every path uses (the CLI, ``measure``, the notebooks, the tests), above the Trainer.
 
-A :class:`Trainer` applies a plan to a model (model transforms, forward contexts, optimizer) and runs
-optimizer steps on an effective batch, split into ``accum:K`` micro-batches, with the loss
-normalised by the token count of the whole window. :func:`train` adds progress, a tracker, a live
-plot, callbacks and crash-safe checkpoints; :func:`measure` returns one ``bench`` record.
+:func:`train` adds progress, a tracker, a live plot, callbacks, crash-safe checkpoints and the OOM
+guard around :class:`~colabkit.trainer.Trainer` steps; :func:`measure` returns one ``bench`` record.
 
 >>> r = measure("gpt-tiny", "baseline", batch=2, seq=16, steps=1)
 >>> r["ok"], r["breakdown"]["params"] == 4 * r["params"]
@@ -12,193 +10,21 @@ plot, callbacks and crash-safe checkpoints; :func:`measure` returns one ``bench`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import time
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
-from .env import default_device, env
-from .data import IGNORE_INDEX, TextData
+from .data import TextData
 from .memory import MemoryTracker
-from .models import build_model, count_params, logits_of
-from .plan import Context, Plan, PlanError, param_groups, REGISTRY
+from .models import count_params
+from .oom import oom_guard
+from .plan import Plan, PlanError
+from .trainer import ModelFn, Trainer, _device, load_model, weights_sha256
 
-
-def _oom_guard(*args, **kwargs):
-    from .oom import oom_guard  # imported here: oom -> estimate -> train
-
-    return oom_guard(*args, **kwargs)
-
-ModelFn = Callable[[], torch.nn.Module]
-
-
-def _device(device: str | torch.device | None) -> torch.device:
-    d = torch.device(device or default_device())
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' asked for but no GPU is attached: use device='cpu', or in Colab "
-                           "Runtime -> Change runtime type -> T4 GPU")
-    return d
-
-
-def split_micro(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split an effective batch (B, S) into k micro-batches along B; the last may be smaller."""
-    if k > x.shape[0]:
-        raise PlanError(f"accum:{k} needs at least {k} sequences per step, got batch {x.shape[0]}: "
-                        f"use accum:{x.shape[0]} or less, or a larger batch")
-    return list(zip(x.tensor_split(k), y.tensor_split(k)))
-
-
-def load_model(name: str, plan: Plan | str = "baseline", seq: int | None = None,
-               device: str | torch.device | None = None) -> torch.nn.Module:
-    """Build a model by name for a plan: a technique may load it its own way (``qlora`` loads an
-    ``hf:<id>`` model straight into 4-bit on a GPU); otherwise :func:`colabkit.build_model` on ``device``.
-
-    >>> load_model("gpt-tiny", "baseline").config.n_layer
-    2
-    """
-    plan, dev = Plan.parse(plan), _device(device)
-    ctx = Context(device=dev)
-    for t in plan.techniques():
-        if t.load_model is not None:
-            model = t.load_model(name, plan, ctx, seq)
-            if model is not None:
-                return model
-    return build_model(name, seq=seq, device=dev)
-
-
-class Trainer:
-    """A model with a plan applied, ready to take optimizer steps.
-
-    >>> t = Trainer(build_model("gpt-tiny"), "baseline", device="cpu")
-    >>> x, y = TextData().batch(2, 16, step=0)
-    >>> isinstance(t.step(x, y), float)
-    True
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        plan: Plan | str = "baseline",
-        device: str | torch.device | None = None,
-        lr: float = 3e-4,
-        weight_decay: float = 0.1,
-        max_grad_norm: float | None = None,
-        model_name: str | None = None,
-        tracker: MemoryTracker | None = None,
-    ):
-        self.plan = Plan.parse(plan)
-        self.ctx = Context(device=_device(device), env=env(), model_name=model_name, lr=lr,
-                           weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-        self.plan.check(self.ctx)
-        techs = self.plan.techniques()
-        for t in techs:  # order < 50: before the move to the device (e.g. quantize, stream params)
-            if t.prepare_model is not None and t.order < 50:
-                model = t.prepare_model(model, self.plan, self.ctx)
-        if not getattr(model, "_colabkit_placed", False):
-            model = model.to(self.ctx.device)
-        for t in techs:
-            if t.prepare_model is not None and t.order >= 50:
-                model = t.prepare_model(model, self.plan, self.ctx)
-        self.model = model
-        opt_tech = REGISTRY[self.plan.optimizer]
-        self.optimizer = opt_tech.make_optimizer(param_groups(model, weight_decay), self.plan, self.ctx)
-        for t in techs:
-            if t.wrap_optimizer is not None:
-                self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
-        self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
-        # fp16 needs loss scaling; with any other precision the scaler is a no-op (scale stays 1.0).
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled="fp16" in self.plan)
-        self.accum = self.plan.get("accum", 1)
-        self.tracker = tracker
-        self.step_count = 0
-        if tracker is not None:
-            tracker.watch(model, self.optimizer)
-
-    def _phase(self, name: str):
-        return self.tracker.phase(name, self.step_count) if self.tracker is not None else contextlib.nullcontext()
-
-    def forward_context(self) -> contextlib.ExitStack:
-        """All forward contexts of the plan (autocast, saved-tensor hooks, attention backend)."""
-        stack = contextlib.ExitStack()
-        for make in self._contexts:
-            stack.enter_context(make(self.plan, self.ctx))
-        return stack
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor, n_tokens: torch.Tensor | int) -> torch.Tensor:
-        """Summed token cross-entropy of (x, y) divided by the window's token count ``n_tokens``."""
-        logits = logits_of(self.model(x))  # (B, S, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / n_tokens
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on the effective batch (B, S); returns its mean token loss."""
-        self.model.train()
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        n_tokens = (y != IGNORE_INDEX).sum().clamp(min=1)  # the whole window, not each micro-batch
-        total = torch.zeros((), device=self.ctx.device)
-        for xi, yi in split_micro(x, y, self.accum):
-            with self._phase("forward"), self.forward_context():
-                loss = self.loss(xi, yi, n_tokens)
-            with self._phase("backward"):
-                self.scaler.scale(loss).backward()
-            total += loss.detach()
-            del loss
-        with self._phase("optimizer"):
-            if self.ctx.max_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ctx.max_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
-        return float(total)
-
-    @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self.model.eval()
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        with self.forward_context():
-            return float(self.loss(x, y, (y != IGNORE_INDEX).sum().clamp(min=1)))
-
-    # ----- checkpoints: everything needed for an exact resume --------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step_count,
-            "plan": str(self.plan),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["plan"] != str(self.plan):
-            raise PlanError(f"checkpoint was written with plan {state['plan']!r}, this run uses {str(self.plan)!r}: "
-                            "resume with the same plan or start a fresh checkpoint directory")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state.get("rng_cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-        self.step_count = state["step"]
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """A hash of every tensor in the state dict (names, dtypes, shapes, bytes): equal iff weights are equal."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        if not isinstance(t, torch.Tensor):
-            continue
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+__all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "Trainer", "load_model", "weights_sha256"]
 
 
 CKPT_NAME = "colabkit-checkpoint.pt"
@@ -295,7 +121,7 @@ def train(
             _sync(dev)
             t0 = time.perf_counter()
             # a CUDA OOM: freed, snapshot saved, categories shown, a plan that fits suggested (colabkit.oom)
-            with _oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
+            with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
                             gpu="t4" if dev.type == "cuda" else None) if tracker is not None else contextlib.nullcontext():
                 loss = trainer.step(x, y)
             _sync(dev)

@@ -167,7 +167,7 @@ def test_benchmark_script_cpu_smoke(tmp_path):
 
 def test_load_model_hook_lets_a_technique_load_the_model():
     from colabkit.plan import REGISTRY, Technique, register
-    from colabkit.train import load_model
+    from colabkit.trainer import load_model
 
     sentinel = torch.nn.Linear(2, 2)
     register(Technique(name="test-loader", help="test", load_model=lambda name, plan, ctx, seq: sentinel

@@ -9,7 +9,7 @@ from colabkit.data import TextData
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model
 from colabkit.plan import Context, Plan, PlanError
-from colabkit.train import Trainer
+from colabkit.trainer import Trainer
 
 MODEL = "gpt:2x64"
 

@@ -16,7 +16,8 @@ from colabkit.models import blocks_of, build_model, count_params, logits_of
 from colabkit.plan import Plan, PlanError
 from colabkit.techniques.lora import (apply_lora, load_adapters, lora_adapter_params, merge_lora, nf4_bytes,
                                       quantize_4bit, save_adapters, target_modules)
-from colabkit.train import Trainer, train
+from colabkit.train import train
+from colabkit.trainer import Trainer
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from colabkit import PlanError, TextData, Trainer, build_model, emulate_t4, measure, native_bf16
-from colabkit.techniques.precision import autocast, fp16_overflow_demo
+from colabkit.demos import fp16_overflow_demo
+from colabkit.techniques.precision import autocast
 from tests.conftest import requires_cuda
 
 

@@ -2,7 +2,7 @@
 whose gradients add up before one optimizer step, so activations shrink ~K-fold at the same
 effective batch (and the same result, up to float rounding) for ~K smaller, slower forwards.
 
-The split and the loss normalisation live in :meth:`colabkit.train.Trainer.step`: each micro-batch's
+The split and the loss normalisation live in :meth:`colabkit.trainer.Trainer.step`: each micro-batch's
 summed token loss is divided by the token count of the *whole* window. Dividing each micro-batch by
 its own count (the pre-2024 transformers behaviour) over-weights short, padded micro-batches and
 changes the gradient; :func:`window_loss` computes both so the difference can be seen.

@@ -1,0 +1,26 @@
+"""Will it fit? Predict the memory of a training run before allocating it, and plan one that fits.
+
+The package, file by file:
+
+- :mod:`.trace`    — the real Trainer's steps traced on fake tensors under the tracker; substitutes
+  for what cannot run on fake tensors (bitsandbytes kernels), listed in ``notes``;
+- :mod:`.formulas` — the textbook formula (bytes per parameter, Korthikanti et al.'s activations)
+  and the host/GPU split of offloaded state;
+- :mod:`.predict`  — :func:`estimate`: one run's predicted peak, breakdown and verdict;
+- :mod:`.planner`  — :func:`plans` (what fits, cheapest first), :func:`largest`, the OOM suggestion;
+- :mod:`.cli`      — the ``estimate``, ``plan`` and ``largest`` subcommands.
+
+>>> r = estimate("gpt-tiny", "baseline", batch=2, seq=16, device="cpu")
+>>> r["fits"]
+True
+"""
+from __future__ import annotations
+
+from .formulas import analytic
+from .planner import COST, candidate_plans, gpt2_shape, largest, pareto, plans, step_time, suggest, _fast_estimate
+from .predict import estimate
+from .trace import CUDA_ALLOC_ROUND, check_as_gpu, trace
+from .cli import _table, register_cli
+
+__all__ = ["analytic", "COST", "candidate_plans", "gpt2_shape", "largest", "pareto", "plans", "step_time",
+           "suggest", "estimate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]
