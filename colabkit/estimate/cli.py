@@ -8,8 +8,11 @@ from .predict import estimate
 
 def _table(r: dict) -> str:
     lines = [f"{r['model']}  plan {r['plan']}  batch {r['batch']}  seq {r['seq']}  on {r['device']}",
-             f"predicted peak {fmt_bytes(r['peak_bytes'])} of {fmt_bytes(r['budget_bytes'])}: "
-             + ("fits" if r["fits"] else "DOES NOT FIT") + f"   host RAM {fmt_bytes(r['host_bytes'])}",
+             f"predicted peak {fmt_bytes(r['peak_bytes'])} of {fmt_bytes(r['budget_bytes'])}   "
+             f"host RAM {fmt_bytes(r['host_bytes'])}",
+             f"verdict: {r['verdict'].upper()} (decided by {r['decided_by']}, margin {fmt_bytes(r['margin_bytes'])})",
+             *(f"  {n:<8} need {fmt_bytes(v['need']):>10} of {fmt_bytes(v['budget']):>10}: {v['verdict']}"
+               for n, v in r["resources"].items()),
              f"{'category':<12} {'own peak':>10} {'at peak':>10}"]
     lines += [f"{c:<12} {fmt_bytes(r['breakdown'][c]):>10} {fmt_bytes(r['at_peak'][c]):>10}" for c in CATEGORIES]
     if "analytic" in r:

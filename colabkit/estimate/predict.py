@@ -63,9 +63,37 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
            "breakdown": {c: int(br[c]) for c in CATEGORIES}, "at_peak": {c: int(at[c]) for c in CATEGORIES},
            "peak_phase": t["peak_phase"], "host_bytes": int(host), "budget_bytes": int(budget),
-           "fits": bool(peak <= budget), "notes": notes}
+           "notes": notes}
+    # Every resource the plan uses, judged on its own; the worst one decides the verdict.
+    resources = {"device": {"need": int(peak), "budget": int(budget), "uncertainty": 0}}
+    if profile is not None and host:
+        resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
+    out.update(verdict(resources))
     if cfg is not None and hasattr(cfg, "n_layer"):
         a = analytic(cfg, plan, batch, seq, t["trainable_params"])
         a["error_vs_trace"] = (a["total"] - peak) / peak
         out["analytic"] = a
     return out
+
+
+VERDICTS = ("fits", "tight", "does not fit")
+
+
+def verdict(resources: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Judge each resource ``{"need", "budget", "uncertainty"}`` (bytes): ``fits`` when need plus its
+    uncertainty is within budget, ``tight`` when only need is, else ``does not fit``. The worst
+    resource decides (``decided_by``); ``margin_bytes`` is its budget minus need.
+
+    >>> v = verdict({"device": {"need": 9, "budget": 10, "uncertainty": 2}, "host": {"need": 1, "budget": 10, "uncertainty": 0}})
+    >>> v["verdict"], v["decided_by"], v["margin_bytes"], v["fits"]
+    ('tight', 'device', 1, True)
+    """
+    judged = {}
+    for name, r in resources.items():
+        margin = r["budget"] - r["need"]
+        judged[name] = dict(r, margin=margin, verdict=VERDICTS[0] if margin >= r.get("uncertainty", 0)
+                            else VERDICTS[1] if margin >= 0 else VERDICTS[2])
+    worst = max(judged, key=lambda n: (VERDICTS.index(judged[n]["verdict"]), -judged[n]["margin"]))
+    w = judged[worst]
+    return {"resources": judged, "verdict": w["verdict"], "decided_by": worst, "margin_bytes": int(w["margin"]),
+            "fits": w["verdict"] != VERDICTS[2]}
