@@ -21,8 +21,8 @@ from .models import GPT, GPTConfig, PRESETS, blocks_of, build_model, count_param
 from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_tokens, compatible, register
 from .trainer import Trainer, load_model, weights_sha256
 from .train import load_checkpoint, measure, save_checkpoint, train
-from .compare import compare, comparison_table
-from .plots import LivePlot, draw_timeline, plot_breakdown
+from .compare import compare, comparison_table, side_by_side, side_by_side_table
+from .plots import LivePlot, audit, draw_categories, draw_timeline, plot_breakdown, run_title, show
 from .techniques.attention import attention_memory, attention_run, quadratic_fit, random_qkv
 from .techniques.precision import autocast
 from .demos import fp16_overflow_demo

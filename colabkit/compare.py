@@ -1,4 +1,5 @@
-"""Measure several plans on the same model and put them side by side, relative to the first.
+"""Measure several plans on the same model and put them side by side, relative to the first, and
+next to what the estimator predicts for the real size on a T4.
 
 >>> recs = compare("gpt-tiny", ["baseline"], batch=2, seq=16, steps=1)
 >>> "baseline" in comparison_table(recs)
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .estimate import estimate
 from .memory import CATEGORIES, fmt_bytes
+from .plan import PlanError
 from .train import measure
 
 
@@ -30,4 +33,46 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
         ratio = r["peak_bytes"] / base["peak_bytes"] if base.get("ok") else float("nan")
         cats = " ".join(f"{fmt_bytes(r['breakdown'][c]):>11}" for c in CATEGORIES)
         lines.append(f"{r['plan']:<30} {fmt_bytes(r['peak_bytes']):>10} {ratio:>7.2f} {cats} {r['step_time_s']:>7.3f} {r['loss']:>7.4f}")
+    return "\n".join(lines)
+
+
+def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq: int,
+                 gpu: str = "t4") -> list[dict[str, Any]]:
+    """Each measured plan next to what it would be at the real size: the estimator's prediction for
+    ``model`` at ``batch`` x ``seq`` on the ``gpu`` profile, and the textbook formula at that size.
+
+    Smoke mode shrinks what is *measured*, never what is *predicted*: the prediction is a fake-tensor
+    trace (nothing allocated), so a CPU answers for a T4-sized run in about a second per plan.
+
+    >>> rows = side_by_side(compare("gpt-tiny", ["baseline"], batch=2, seq=16, steps=1), "gpt2-124m", 1, 256)
+    >>> rows[0]["predicted_bytes"] > rows[0]["measured_bytes"], rows[0]["formula_bytes"] > 0
+    (True, True)
+    """
+    rows = []
+    for r in records:
+        row = {"plan": r["plan"], "measured_bytes": r.get("peak_bytes") if r.get("ok") else None,
+               "measured_on": f"{r.get('model')}, {r.get('batch')}x{r.get('seq')}, {r.get('device')}",
+               "predicted_bytes": None, "formula_bytes": None, "verdict": None,
+               "predicted_for": f"{model}, {batch}x{seq}, {gpu}", "error": r.get("error")}
+        try:
+            est = estimate(model, r["plan"], batch=batch, seq=seq, gpu=gpu)
+            row.update(predicted_bytes=est["peak_bytes"], verdict=est["verdict"],
+                       formula_bytes=int(est["analytic"]["total"]) if "analytic" in est else None)
+        except (PlanError, ValueError) as e:
+            row["error"] = row["error"] or str(e)
+        rows.append(row)
+    return rows
+
+
+def side_by_side_table(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`side_by_side` rows as a table whose headers say where each column comes from."""
+    if not rows:
+        return ""
+    gpu = rows[0]["predicted_for"].rsplit(", ", 1)[-1].upper()
+    lines = [f"{'plan':<28} {'measured here':>14} {'predicted ' + gpu:>14} {'formula':>12}  verdict"]
+    for r in rows:
+        lines.append(f"{r['plan']:<28} {fmt_bytes(r['measured_bytes']):>14} {fmt_bytes(r['predicted_bytes']):>14} "
+                     f"{fmt_bytes(r['formula_bytes']):>12}  {r['verdict'] or r['error'] or ''}")
+    lines.append(f"measured: {rows[0]['measured_on']}; predicted and formula: {rows[0]['predicted_for']} "
+                 "(predictions, nothing allocated)")
     return "\n".join(lines)

@@ -1,5 +1,11 @@
-"""Plots: a live memory plot redrawn in place while training (Colab, Jupyter, or headless to a PNG)
-and static charts of a timeline and of plans side by side.
+"""Plots, one vocabulary for every notebook: a live memory plot redrawn in place while training, a
+stacked timeline of the categories over a step with labelled phases, and a breakdown chart whose bars
+are the composition *at the peak* (they sum to the measured peak) with each category's own peak marked.
+
+Units scale with the data (B, KiB, MiB, GiB); the budget line is drawn only when it is on scale (else
+named in the legend); titles say model, plan, batch x seq and device (:func:`run_title`). :func:`show`
+checks a figure (axis labels with units, a title, a legend for every colour) before displaying it,
+so a notebook cannot show a chart a learner cannot read.
 
 The live plot needs no widget manager: in a notebook it updates one display handle in place; without
 IPython it only keeps the data and ``save()`` writes the PNG.
@@ -7,19 +13,42 @@ IPython it only keeps the data and ``save()`` writes the PNG.
 >>> lp = LivePlot(budget_bytes=2**30)
 >>> lp.update({"t": 0.0, "step": 0, "phase": "forward", "allocated": 2**20, "phase_peak": 2**20,
 ...            "reserved": None, "host_rss": None})
->>> len(lp.samples)
-1
+>>> len(lp.samples), byte_unit(3 * 2**20)
+(1, ('MiB', 1048576))
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Sequence
 
-from .env import GiB, T4_USABLE_BYTES
+from .env import T4_USABLE_BYTES
 from .memory import CATEGORIES
 
 PHASE_COLORS = {"forward": "#cfe8ff", "backward": "#ffe0c2", "optimizer": "#d9f2d0", "eval": "#eeeeee"}
-CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52", "other": "#8c8c8c"}
+CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
+                   "other": "#8c8c8c"}
+UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+
+
+def byte_unit(top: float) -> tuple[str, int]:
+    """The largest unit in which ``top`` bytes is at least 1 (B/KiB/MiB/GiB): ``(name, bytes)``."""
+    return next(((u, s) for u, s in UNITS if top >= s), UNITS[-1])
+
+
+def run_title(model: str | None = None, plan: str | None = None, batch: int | None = None, seq: int | None = None,
+              device: str | None = None, what: str = "") -> str:
+    """``"what — model, plan, batch B x seq S, on device"`` from whichever parts are given.
+
+    >>> run_title("gpt-tiny", "checkpoint", 8, 64, "cpu", what="memory")
+    'memory — gpt-tiny, checkpoint, batch 8 x seq 64, on cpu'
+    """
+    parts = [p for p in (model, plan) if p]
+    if batch and seq:
+        parts.append(f"batch {batch} x seq {seq}")
+    if device:
+        parts.append(f"on {device}")
+    body = ", ".join(parts)
+    return f"{what} — {body}" if what and body else what or body
 
 
 def _in_notebook() -> bool:
@@ -42,55 +71,113 @@ def _plt():
     return plt
 
 
-def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USABLE_BYTES, title: str = "") -> None:
-    """Allocated (within-phase peak) and reserved device memory against the sample index, each phase
-    shaded, the budget as a dashed line (named in the legend when it is far off scale); host RSS on
-    a second axis. Units follow the data (MiB or GiB)."""
-    xs = list(range(len(samples)))
+def _budget(ax, budget_bytes: int | None, top: float, size: int) -> None:
+    """The budget as a dashed line when it is on scale (within 4x the data), else only in the legend."""
+    if not budget_bytes:
+        return
+    unit, usize = byte_unit(budget_bytes)
+    label = f"budget {budget_bytes / usize:.1f} {unit}"
+    if budget_bytes <= 4 * top:
+        ax.axhline(budget_bytes / size, color="k", ls="--", lw=1, label=label)
+    else:
+        ax.plot([], [], color="k", ls="--", lw=1, label=label + " (off scale)")
+
+
+def _x(samples: Sequence[dict]) -> tuple[list[float], str]:
+    """Positions in optimizer steps: the samples of step k (one per phase boundary) spread evenly over
+    (k, k+1], so a step's forward, backward and optimizer phases sit side by side whatever they cost."""
+    per_step: dict[int, int] = {}
+    for s in samples:  # (the caller drops the tracker's "setup" sample: it is not part of a step)
+        per_step[s.get("step", 0)] = per_step.get(s.get("step", 0), 0) + 1
+    seen: dict[int, int] = {}
+    xs = []
+    for s in samples:
+        k = s.get("step", 0)
+        seen[k] = seen.get(k, 0) + 1
+        xs.append(k + seen[k] / per_step[k])
+    return xs, "optimizer step (phases evenly spaced within a step)"
+
+
+def _phase_bands(ax, samples: Sequence[dict], xs: list[float]) -> None:
+    """Shade each interval by the phase that ended at its right edge (a sample is taken as a phase
+    ends), and name each phase used once in the legend."""
+    used = []
     for i, s in enumerate(samples):
-        color = PHASE_COLORS.get(s["phase"])
+        color = PHASE_COLORS.get(s.get("phase"))
         if color:
-            ax.axvspan(i - 1, i, color=color, lw=0)
+            left = xs[i - 1] if i else int(xs[i]) if xs[i] > int(xs[i]) else xs[i] - 1
+            ax.axvspan(left, xs[i], color=color, lw=0, zorder=0, label=f"{s['phase']} phase" if s["phase"] not in used else None)
+            if s["phase"] not in used:
+                used.append(s["phase"])
+
+
+def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USABLE_BYTES, title: str = "") -> None:
+    """Device memory over time: the within-phase peak (and CUDA's reserved), phases shaded and named
+    in the legend, the budget when on scale, host RAM (RSS) on a second axis in its own units."""
+    samples = [s for s in samples if s.get("phase") != "setup"] or list(samples)
+    xs, xlabel = _x(samples)
+    _phase_bands(ax, samples, xs)
     alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in samples]
     reserved = [s.get("reserved") or 0 for s in samples]
     top = max(alloc + reserved + [1])
-    unit, size = ("GiB", GiB) if top >= GiB / 2 else ("MiB", 2**20)
-    ax.plot(xs, [a / size for a in alloc], color="#c44e52", lw=1.8, label="allocated (phase peak)")
+    unit, size = byte_unit(top)
+    ax.step(xs, [a / size for a in alloc], where="pre", color="#c44e52", lw=1.8, label="allocated (peak in phase)")
     if any(reserved):
-        ax.plot(xs, [r / size for r in reserved], color="#4c72b0", lw=1.2, label="reserved")
-    if budget_bytes:
-        if budget_bytes <= 4 * top:
-            ax.axhline(budget_bytes / size, color="k", ls="--", lw=1, label=f"budget {budget_bytes / GiB:.1f} GiB")
-        else:
-            ax.plot([], [], color="k", ls="--", lw=1, label=f"budget {budget_bytes / GiB:.1f} GiB (off scale)")
+        ax.step(xs, [r / size for r in reserved], where="pre", color="#4c72b0", lw=1.2, label="reserved (CUDA cache)")
+    _budget(ax, budget_bytes, top, size)
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("sample (phase boundary)")
-    ax.set_ylabel(f"device memory, {unit}")
-    ax.set_title(title or "memory by phase (blue forward, orange backward, green optimizer)", fontsize=9)
-    if any(s.get("host_rss") for s in samples):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"device memory ({unit})")
+    ax.set_title(title or "device memory by phase", fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    rss = [s.get("host_rss") or 0 for s in samples]
+    if any(rss):
+        hunit, hsize = byte_unit(max(rss))
         ax2 = ax.twinx()
-        ax2.plot(xs, [(s.get("host_rss") or 0) / GiB for s in samples], color="#8172b2", lw=1, ls=":", label="host RSS")
-        ax2.set_ylabel("host RSS, GiB", color="#8172b2")
+        ax2.plot(xs, [r / hsize for r in rss], color="#8172b2", lw=1.6, label="host RAM (process RSS)")
+        ax2.set_ylabel(f"host RAM ({hunit})", color="#8172b2")
         ax2.set_ylim(bottom=0)
-        h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=7)
-    else:
-        ax.legend(loc="upper left", fontsize=7)
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12 if any(rss) else 1.01, 1.0), fontsize=7)
+
+
+def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None, title: str = "") -> None:
+    """Memory over time by category as stacked areas (parameters flat, activations rising in forward
+    and falling in backward, gradients appearing, optimizer state from the first step), phases shaded.
+    Samples are taken at phase boundaries, so each area steps from one boundary to the next."""
+    rows = [s for s in samples if s.get("categories") and s.get("phase") != "setup"]
+    if not rows:
+        raise ValueError("no per-category samples: track with categories=True (the default)")
+    xs, xlabel = _x(rows)
+    _phase_bands(ax, rows, xs)
+    top = max(sum(s["categories"].values()) for s in rows) or 1
+    unit, size = byte_unit(top)
+    # each boundary's value holds over the phase that ended there (step="pre"); start from zero
+    xs = [xs[0] - 1 / max(1, sum(1 for s in rows if s.get("step", 0) == rows[0].get("step", 0)))] + xs
+    ys = [[0.0] + [s["categories"][c] / size for s in rows] for c in CATEGORIES]
+    ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=list(CATEGORIES), step="pre",
+                 alpha=0.9, zorder=2)
+    _budget(ax, budget_bytes, top, size)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(title or "memory by category over time", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
 
 
 class LivePlot:
     """Memory plot redrawn in place during training; pass ``live_plot=LivePlot()`` to ``train``
     (or ``on_sample=lp.update`` to a tracker). ``save(path)`` writes a PNG (works headless).
-
-    ``show_budget``: the T4's usable bytes by default, so the line shows what a T4 would allow.
+    With ``categories=True`` a second panel stacks the categories over time.
     """
 
     def __init__(self, budget_bytes: int | None = T4_USABLE_BYTES, every_s: float = 0.5, title: str = "",
-                 display: bool | None = None):
+                 display: bool | None = None, categories: bool = True):
         self.budget_bytes = budget_bytes
         self.every_s = every_s
         self.title = title
+        self.categories = categories
         self.samples: list[dict] = []
         self._display = _in_notebook() if display is None else display
         self._handle = None
@@ -103,15 +190,18 @@ class LivePlot:
 
     def figure(self):
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        draw_timeline(ax, self.samples, self.budget_bytes, self.title)
+        two = self.categories and any(s.get("categories") for s in self.samples)
+        fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
+        draw_timeline(axes[0][0], self.samples, self.budget_bytes, self.title)
+        if two:
+            draw_categories(axes[0][1], self.samples, None, "by category" + (f" — {self.title}" if self.title else ""))
         fig.tight_layout()
         return fig
 
     def redraw(self) -> None:
         """Draw the current samples into the notebook's display handle (created on first call)."""
         self._last = time.perf_counter()
-        if not self._display:
+        if not self._display or not self.samples:
             return
         from IPython.display import display
 
@@ -135,27 +225,127 @@ class LivePlot:
 
 def plot_breakdown(records: Sequence[dict[str, Any]], budget_bytes: int | None = None, predicted: dict[str, float] | None = None,
                    path: str | None = None, title: str = "measured memory by category"):
-    """Stacked bars of each record's breakdown (each category's own peak) with its measured total
-    peak as a marker, and an optional predicted total per plan (``{plan: bytes}``) as an ×."""
+    """One stacked bar per record: the categories *at the moment of the peak* (``at_peak``), so each
+    bar's height is the measured peak; each category's own peak over the run (``breakdown``, which can
+    fall in another phase) is a diamond in its colour beside the bar; an optional predicted total per
+    plan (``{plan: bytes}``) is an x. Units follow the data."""
     plt = _plt()
     recs = [r for r in records if r.get("ok")]
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(recs) + 2), 3.6))
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(recs) + 2.5), 3.8))
+    tops = [r["peak_bytes"] for r in recs] + [v for r in recs for v in (r.get("breakdown") or {}).values()]
+    tops += list((predicted or {}).values())
+    top = max(tops + [1])
+    unit, size = byte_unit(top)
     for i, r in enumerate(recs):
+        comp = r.get("at_peak") or r["breakdown"] or {}
+        scale = r["peak_bytes"] / max(1, sum(comp.values()))  # CUDA: allocator peak vs tracked tensors
         bottom = 0.0
         for c in CATEGORIES:
-            v = (r["breakdown"] or {}).get(c, 0) / GiB
-            ax.bar(i, v, bottom=bottom, color=CATEGORY_COLORS[c], label=c if i == 0 else None)
+            v = comp.get(c, 0) * scale / size
+            ax.bar(i, v, bottom=bottom, width=0.6, color=CATEGORY_COLORS[c], label=f"{c} (at peak)" if i == 0 else None)
             bottom += v
-        ax.plot(i, r["peak_bytes"] / GiB, "k_", ms=28, mew=2, label="measured peak" if i == 0 else None)
+        for j, c in enumerate(CATEGORIES):
+            own = (r.get("breakdown") or {}).get(c, 0)
+            ax.plot(i + 0.36 + 0.05 * j, own / size, "D", color=CATEGORY_COLORS[c], ms=4,
+                    label="own peak of each category (diamonds)" if i == 0 and j == 0 else None)
         if predicted and r["plan"] in predicted:
-            ax.plot(i, predicted[r["plan"]] / GiB, "x", color="k", ms=9, label="predicted" if i == 0 else None)
-    if budget_bytes:
-        ax.axhline(budget_bytes / GiB, color="k", ls="--", lw=1, label="budget")
+            ax.plot(i, predicted[r["plan"]] / size, "x", color="k", ms=9, label="predicted peak" if i == 0 else None)
+    _budget(ax, budget_bytes, top, size)
     ax.set_xticks(range(len(recs)), [r["plan"] for r in recs], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("GiB")
+    ax.set_xlabel("plan")
+    ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)
+    return fig
+
+
+# ----- the readability check every notebook figure passes -------------------------------------
+_UNIT_WORDS = ("(B)", "(KiB)", "(MiB)", "(GiB)", "(s)", "(%)", "(x)", "(ms)", "(bytes", "(tokens", "(steps", "(count",
+               "(loss", "(sequence", "(N)", "(rank", "(relative")
+
+
+def _colors_used(ax) -> set[str]:
+    """Colours of the data artists of an axes (lines with data, bars, areas, scatter points)."""
+    from matplotlib.colors import to_hex
+
+    used: set[str] = set()
+    for line in ax.get_lines():
+        if len(line.get_xdata()):  # empty lines exist only to carry a legend entry
+            used.add(to_hex(line.get_color()))
+    for patch in ax.patches:
+        if patch.get_visible():
+            used.add(to_hex(patch.get_facecolor()))
+    for coll in ax.collections:
+        fc = coll.get_facecolor()
+        if len(fc):
+            used.add(to_hex(fc[0]))
+    return used
+
+
+def _legend_colors(ax) -> set[str]:
+    from matplotlib.colors import to_hex
+
+    leg = ax.get_legend()
+    out: set[str] = set()
+    if leg is None:
+        return out
+    for h in leg.legend_handles:
+        for getter in ("get_color", "get_facecolor"):
+            c = getattr(h, getter, lambda: None)()
+            if c is None or isinstance(c, str) and c == "none":
+                continue
+            if not isinstance(c, str) and len(c) and hasattr(c[0], "__len__"):  # an array of RGBA rows
+                c = c[0]
+            out.add(to_hex(c))
+    return out
+
+
+def audit(fig) -> list[str]:
+    """What makes ``fig`` hard to read: an axes without x/y labels, a y label without a unit in
+    parentheses, no title (axes or figure), or a colour drawn that no legend names. [] when fine.
+
+    >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+    >>> fig, ax = plt.subplots(); _ = ax.plot([0, 1], [0, 1], color="red")
+    >>> audit(fig)[:2]
+    ['axes 0: no x label', 'axes 0: no title']
+    """
+    problems = []
+    suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else ""
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    twins = {id(b) for a in axes for b in axes if a is not b and a.bbox.bounds == b.bbox.bounds and axes.index(b) > axes.index(a)}
+    legend_colors = set().union(*[_legend_colors(ax) for ax in axes]) if axes else set()
+    for k, ax in enumerate(axes):
+        if not (ax.lines or ax.patches or ax.collections or ax.images):
+            continue
+        if id(ax) not in twins:
+            if not ax.get_xlabel():
+                problems.append(f"axes {k}: no x label")
+            if not ax.get_title() and not suptitle:
+                problems.append(f"axes {k}: no title")
+        ylabel = ax.get_ylabel()
+        if not ylabel:
+            problems.append(f"axes {k}: no y label")
+        elif "(" not in ylabel:
+            problems.append(f"axes {k}: y label {ylabel!r} has no unit in parentheses")
+        missing = _colors_used(ax) - legend_colors
+        if missing:
+            problems.append(f"axes {k}: colours {sorted(missing)} are not in any legend")
+    return problems
+
+
+def show(fig=None):
+    """Check ``fig`` with :func:`audit` (an AssertionError names what a reader could not read), then
+    display it: how every notebook shows a chart."""
+    plt = _plt()
+    fig = fig if fig is not None else plt.gcf()
+    problems = audit(fig)
+    assert not problems, "unreadable figure: " + "; ".join(problems)
+    if _in_notebook():
+        from IPython.display import display
+
+        display(fig)
+        plt.close(fig)
     return fig
