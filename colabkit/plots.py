@@ -190,7 +190,7 @@ class LivePlot:
 
     def figure(self):
         plt = _plt()
-        two = self.categories and any(s.get("categories") for s in self.samples)
+        two = self.categories and any(s.get("categories") and s.get("phase") != "setup" for s in self.samples)
         fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
         draw_timeline(axes[0][0], self.samples, self.budget_bytes, self.title)
         if two:
