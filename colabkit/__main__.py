@@ -84,6 +84,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--log", default=None, help="tensorboard, wandb and/or csv (comma-separated): memory per step")
+    p.add_argument("--log-dir", default=None, help="where --log writes (default runs/colabkit)")
 
 
 @subcommand("train", "a real training run with checkpoints and exact resume", _train_args,
@@ -97,7 +99,8 @@ def _train(args: argparse.Namespace) -> dict:
         emulate_t4()
     out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty())
+                checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),
+                log=args.log, log_dir=args.log_dir)
     return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"]}
 
 

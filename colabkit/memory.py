@@ -152,6 +152,12 @@ class _Mode(TorchDispatchMode):
         return out
 
 
+def _free_weak(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int) -> None:
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._free(key, sid)
+
+
 class MemoryTracker:
     """Context manager that measures memory by category, phase and step on any device.
 
@@ -301,7 +307,9 @@ class MemoryTracker:
             if self._total > self._phase_max:
                 self._phase_max = self._total
             over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
-        weakref.finalize(st, self._free, key, id(st))
+        # a weak reference: a strong one (self._free) would keep the tracker -- and through it the model
+        # and optimizer it watches -- alive for as long as any tracked storage lives, i.e. forever
+        weakref.finalize(st, _free_weak, weakref.ref(self), key, id(st))
         if over and not self.alerts:
             self._alert()
 

@@ -38,6 +38,7 @@ class Context:
     lr: float = 3e-4
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
+    model: Any = None  # the model being trained, once built (optimizers that need names, e.g. adam-mini)
 
     @property
     def cuda(self) -> bool:
@@ -122,7 +123,7 @@ class Plan:
         groups: dict[str, str] = {}
         for tok in parts:
             name, _, arg = tok.partition(":")
-            tech = REGISTRY.get(name) or REGISTRY.get(tok)
+            tech = REGISTRY.get(tok) or REGISTRY.get(name)  # an exact token (offload:disk) before its family
             if tech is None:
                 known = sorted(t for tq in REGISTRY.values() for t in tq.tokens())
                 close = difflib.get_close_matches(tok, known, n=3)

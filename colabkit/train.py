@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
+from .logs import make_loggers
 from .memory import MemoryTracker
 from .models import count_params
 from .oom import oom_guard
@@ -79,6 +80,8 @@ def train(
     resume: bool = False,
     progress: bool = True,
     eval_every: int = 0,
+    log: str | Iterable[str] | None = None,
+    log_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
@@ -87,6 +90,8 @@ def train(
     callbacks get ``{"step", "loss", "step_time_s", "trainer"}`` after each step. With
     ``checkpoint_dir`` and ``checkpoint_every`` a checkpoint is written every K steps;
     ``resume=True`` continues from it, seeing the same batches an uninterrupted run would.
+    ``log`` (``"tensorboard"``, ``"wandb"``, ``"csv"`` or a list) writes loss, step time and memory by
+    category per step under ``log_dir`` (default ``runs/colabkit``; see :mod:`colabkit.logs`).
 
     >>> out = train("gpt-tiny", steps=2, batch=2, seq=16, progress=False)
     >>> len(out["losses"]), out["step"]
@@ -97,6 +102,8 @@ def train(
     torch.manual_seed(seed)
     name = model if isinstance(model, str) else None
     on_sample = live_plot.update if live_plot is not None else None
+    loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit")) if log else []
+    callbacks = [*callbacks, *loggers]
     tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track) if (track or live_plot) else None
     ctx = tracker if tracker is not None else contextlib.nullcontext()
     losses, times, evals = [], [], []
@@ -137,6 +144,8 @@ def train(
                 cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
             if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
                 save_checkpoint(trainer, checkpoint_dir)
+    for lg in loggers:
+        lg.close()
     if checkpoint_dir and checkpoint_every and trainer.step_count % checkpoint_every:
         save_checkpoint(trainer, checkpoint_dir)
     return {

@@ -95,7 +95,7 @@ class Trainer:
         for t in techs:
             if t.prepare_model is not None and t.order >= 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
-        self.model = model
+        self.model = self.ctx.model = model
         opt_tech = REGISTRY[self.plan.optimizer]
         self.optimizer = opt_tech.make_optimizer(param_groups(model, weight_decay), self.plan, self.ctx)
         for t in techs:

@@ -133,3 +133,26 @@ def test_views_of_untracked_tensors_are_not_counted():
             v = w.t()[:10]  # views allocate nothing
     assert mt.report()["peak_bytes"] == 0
     del v
+
+
+def test_tracker_does_not_keep_models_alive():
+    """A finished measure() must release its model, optimizer and tracker (on a GPU, leaked state would
+    pile up across a notebook's runs until it OOMs). Negative control: a kept record's model stays."""
+    import gc
+    import weakref
+
+    import colabkit
+
+    model = colabkit.build_model("gpt-tiny")
+    ref = weakref.ref(model)
+    colabkit.measure(lambda: model, "baseline", batch=2, seq=16, steps=1, device="cpu")
+    gc.collect()
+    assert ref() is not None            # still ours: we hold it
+    del model
+    gc.collect()
+    assert ref() is None, "the tracker kept the model alive"
+    before = sum(isinstance(o, colabkit.MemoryTracker) for o in gc.get_objects())
+    for _ in range(3):
+        colabkit.measure("gpt-tiny", "baseline", batch=2, seq=16, steps=1, device="cpu")
+    gc.collect()
+    assert sum(isinstance(o, colabkit.MemoryTracker) for o in gc.get_objects()) == before

@@ -24,7 +24,10 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
 
     n = cfg.n_params if hasattr(cfg, "n_params") else trainable_params or 0
     trainable = trainable_params if trainable_params is not None else n
-    opt = state_bytes_per_param(plan.optimizer_token) if plan.optimizer in REGISTRY else 8.0
+    try:
+        opt = state_bytes_per_param(plan.optimizer_token) if plan.optimizer in REGISTRY else 8.0
+    except ValueError:  # shape-dependent state (galore): AdamW's 8 B/param as the bound; the trace has the figure
+        opt = 8.0
     half = "fp16" in plan or "bf16" in plan
     b = batch // plan.get("accum", 1) or 1
     s, h, L, a, V = seq, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size

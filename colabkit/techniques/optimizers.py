@@ -32,6 +32,10 @@ BLOCK_4BIT = 128  # AdamW4bit: one fp32 absmax per 128 values
 
 
 # ----- theory: bytes of optimizer state per parameter --------------------------------------------
+# Formulas other optimizer modules register: name -> f(arg, shape) -> bytes per parameter.
+STATE_FORMULAS: dict[str, Any] = {}
+
+
 def state_bytes_per_param(token: str, shape: tuple[int, ...] | None = None) -> float:
     """Bytes of optimizer state per parameter for an optimizer token (per-step scalars ignored).
 
@@ -67,6 +71,8 @@ def state_bytes_per_param(token: str, shape: tuple[int, ...] | None = None) -> f
         return 4.0
     if name == "sgd":
         return 4.0 if arg and float(arg) > 0 else 0.0
+    if name in STATE_FORMULAS:
+        return STATE_FORMULAS[name](arg, shape)
     raise ValueError(f"no state formula for optimizer token {token!r}")
 
 

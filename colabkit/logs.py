@@ -1,0 +1,130 @@
+"""Memory logging to TensorBoard, Weights & Biases or a CSV file, one row per optimizer step.
+
+``train(..., log=["tensorboard", "csv"])`` adds a logger per backend as a train-loop callback. Each
+step logs the loss, the step time, the step's peak of tracked device memory and each category's
+largest value in the step (from the tracker's phase-boundary samples), and the host RAM (RSS).
+TensorBoard and W&B are optional: a missing package raises an error with the install line. W&B
+runs offline unless you are logged in (``WANDB_API_KEY`` or ``wandb login``).
+
+>>> import tempfile, os
+>>> lg = make_loggers(["csv"], tempfile.mkdtemp())[0]
+>>> lg.write(1, {"loss": 2.5}); lg.close(); os.path.basename(lg.path)
+'metrics.csv'
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+from typing import Any, Callable, Sequence
+
+from .memory import CATEGORIES
+
+BACKENDS = ("tensorboard", "wandb", "csv")
+
+
+def step_metrics(event: dict[str, Any]) -> dict[str, float]:
+    """What a logger writes for one step, from the train loop's callback event (``step``, ``loss``,
+    ``step_time_s``, ``trainer``): the memory figures come from the tracker's samples of that step."""
+    out = {"loss": float(event["loss"]), "step_time_s": float(event["step_time_s"])}
+    tracker = getattr(event.get("trainer"), "tracker", None)
+    if tracker is None:
+        return out
+    samples = [s for s in tracker.timeline if s.get("step") == event["step"] - 1 and s.get("phase") != "setup"]
+    if not samples:
+        return out
+    out["memory/step_peak_bytes"] = float(max(max(s.get("phase_peak") or 0, s.get("phase_peak_cuda") or 0)
+                                              for s in samples))
+    if samples[0].get("categories"):
+        for c in CATEGORIES:
+            out[f"memory/{c}_bytes"] = float(max(s["categories"][c] for s in samples))
+    if samples[-1].get("host_rss"):
+        out["memory/host_rss_bytes"] = float(samples[-1]["host_rss"])
+    return out
+
+
+class Logger:
+    """A callback for ``train(callbacks=[...])``: writes :func:`step_metrics` at every step."""
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.write(event["step"], step_metrics(event))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CSVLogger(Logger):
+    """``metrics.csv`` in ``directory``: a header of every metric seen in the first row, one row a step."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, "metrics.csv")
+        self._f = open(self.path, "w", newline="")
+        self._w: Any = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._w is None:
+            self._w = csv.DictWriter(self._f, fieldnames=["step", *metrics], extrasaction="ignore")
+            self._w.writeheader()
+        self._w.writerow({"step": step, **metrics})
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardLogger(Logger):
+    """Scalars in a TensorBoard event file under ``directory`` (open with ``%tensorboard --logdir DIR``)."""
+
+    def __init__(self, directory: str):
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ImportError('log="tensorboard" needs the tensorboard package: pip install tensorboard '
+                              '(or pip install -e ".[dev]")')
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = directory
+        self._w = SummaryWriter(log_dir=directory)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self._w.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._w.flush()
+        self._w.close()
+
+
+class WandbLogger(Logger):
+    """A Weights & Biases run: online when logged in, else ``mode="offline"`` (sync later with ``wandb sync``)."""
+
+    def __init__(self, directory: str, project: str = "colabkit", config: dict | None = None):
+        if importlib.util.find_spec("wandb") is None:
+            raise ImportError('log="wandb" needs the wandb package: pip install wandb')
+        import wandb
+
+        logged_in = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
+        self.path = directory
+        self._run = wandb.init(project=project, dir=directory, mode=self.mode, config=config or {})
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+_MAKERS: dict[str, Callable[[str], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+
+
+def make_loggers(log: str | Sequence[str] | None, directory: str) -> list[Logger]:
+    """One logger per backend name (``"tensorboard"``, ``"wandb"``, ``"csv"``; a comma-separated string
+    works too), all writing under ``directory``."""
+    names = [n.strip() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
+    bad = [n for n in names if n not in _MAKERS]
+    if bad:
+        raise ValueError(f"unknown log backend(s) {bad}: use {', '.join(BACKENDS)}")
+    os.makedirs(directory, exist_ok=True)
+    return [_MAKERS[n](directory) for n in names]

@@ -1,0 +1,84 @@
+"""Memory logging: the TensorBoard event file read back equals the run's own record; CSV likewise;
+W&B offline unless logged in; clear errors for a missing package or an unknown backend."""
+import csv
+import glob
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+
+import colabkit
+from colabkit.logs import make_loggers
+
+
+def _steps_max(timeline, key):
+    out = {}
+    for s in timeline:
+        if s["phase"] != "setup" and s["phase"] != "end":
+            out[s["step"] + 1] = max(out.get(s["step"] + 1, 0), key(s))
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None and not os.environ.get("CI"),
+                    reason="tensorboard not installed (pip install -e '.[dev]')")
+def test_tensorboard_scalars_equal_the_runs_record(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = colabkit.train("gpt:2x64", steps=20, batch=4, seq=32, progress=False, log="tensorboard", log_dir=str(tmp_path))
+    files = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    assert len(files) == 1
+    ea = EventAccumulator(str(tmp_path))
+    ea.Reload()
+    peaks = {e.step: e.value for e in ea.Scalars("memory/step_peak_bytes")}
+    assert sorted(peaks) == list(range(1, 21))
+    assert max(peaks.values()) == out["report"]["peak_bytes"]        # the run's measured peak, to the byte
+    assert peaks == _steps_max(out["timeline"], lambda s: s["phase_peak"])
+    acts = {e.step: e.value for e in ea.Scalars("memory/activations_bytes")}   # at the phase boundaries
+    assert acts == _steps_max(out["timeline"], lambda s: s["categories"]["activations"])
+    assert max(acts.values()) <= out["report"]["breakdown"]["activations"]     # the own peak can fall inside a phase
+    losses = [e.value for e in ea.Scalars("loss")]
+    assert losses == pytest.approx(out["losses"], rel=1e-6)           # stored as float32
+    assert losses != pytest.approx(out["losses"][::-1], rel=1e-6)     # (order matters: the check can fail)
+
+
+def test_csv_rows_equal_the_record(tmp_path):
+    out = colabkit.train("gpt:2x64", steps=4, batch=4, seq=32, progress=False, log=["csv"], log_dir=str(tmp_path))
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert [float(r["loss"]) for r in rows] == out["losses"]
+    assert max(float(r["memory/step_peak_bytes"]) for r in rows) == out["report"]["peak_bytes"]
+    assert float(rows[0]["memory/params_bytes"]) == out["report"]["breakdown"]["params"]
+
+
+def test_wandb_offline_unless_logged_in(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append((step, metrics))
+
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.SimpleNamespace(api=types.SimpleNamespace(api_key=None),
+                                 init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else None)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    lg = make_loggers("wandb", str(tmp_path))[0]
+    assert lg.mode == "offline" and calls[0] == ("init", "offline")
+    lg.write(3, {"loss": 1.0}); lg.close()
+    assert calls[1:] == [(3, {"loss": 1.0}), "finish"]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert make_loggers("wandb", str(tmp_path))[0].mode == "online"
+
+
+def test_missing_package_and_unknown_backend(tmp_path, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        make_loggers("tensorboard", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown log backend"):
+        make_loggers("mlflow", str(tmp_path))
