@@ -20,7 +20,8 @@ from colabkit.memory import CATEGORIES, fmt_bytes
 
 PLANS = [
     "baseline", "fp16", "checkpoint", "accum:4", "compress:int8", "attention:math", "attention:efficient",
-    "adamw8bit", "paged-adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "sgd", "fused-step",
+    "adamw8bit", "paged-adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "adam-mini", "galore:32", "sgd",
+    "fused-step", "offload:disk",
     "offload:optimizer", "offload:activations", "offload:params", "lora:8", "qlora:8",
     "fp16+checkpoint", "checkpoint+adamw8bit", "fp16+checkpoint+adamw8bit",
     "checkpoint+adamw4bit+fused-step", "qlora:8+checkpoint",
