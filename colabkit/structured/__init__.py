@@ -1,0 +1,1 @@
+"""Structured low-rank matrices, measured against dense: see :mod:`colabkit.structured.matrix`."""
