@@ -24,8 +24,10 @@ from ..models import GPT, build_model
 class SemiseparableMixing(nn.Module):
     """(B, S, D) -> (B, S, D) with S ≤ n: values, causal semiseparable mixing per head, projection.
 
-    Initialised as the causal running mean (U_i = 1/(i+1), V_j = 1 in the first rank component,
-    small noise elsewhere; d = e = 0), so every position starts by averaging its prefix."""
+    U is stored as U_i = c_i Û_i with a fixed row scale c_i = 1/(i+1): Û_i · Σ_{j≤i} V_j v_j / (i+1) is a
+    weighted prefix *mean*, bounded in i (an unscaled U let the prefix sum grow with i and training
+    stalled, measured while building this layer). Starts near the identity (d = 1, e = 0, Û small
+    noise, V_j = 1 in the first component), so the first steps learn which prefix to mix in."""
 
     def __init__(self, n: int, d: int, n_head: int, rank: int, bias: bool = True):
         super().__init__()
@@ -34,12 +36,17 @@ class SemiseparableMixing(nn.Module):
         self.n, self.n_head, self.rank = n, n_head, rank
         self.value = nn.Linear(d, d, bias=bias)
         self.proj = nn.Linear(d, d, bias=bias)
-        self.diag = nn.Parameter(torch.zeros(n_head, n))
+        self.diag = nn.Parameter(torch.ones(n_head, n))
         self.sub = nn.Parameter(torch.zeros(n_head, n - 1))
         U, V = 0.02 * torch.randn(n_head, n, rank), 0.02 * torch.randn(n_head, n, rank)
-        U[..., 0] = 1.0 / torch.arange(1, n + 1)
         V[..., 0] = 1.0
-        self.U, self.V = nn.Parameter(U), nn.Parameter(V)
+        self.U_hat, self.V = nn.Parameter(U), nn.Parameter(V)
+        self.register_buffer("row_scale", 1.0 / torch.arange(1, n + 1), persistent=False)
+
+    @property
+    def U(self) -> torch.Tensor:
+        """(H, n, r) left factors, c_i Û_i."""
+        return self.U_hat * self.row_scale[:, None]
 
     def mix(self, v: torch.Tensor) -> torch.Tensor:
         """v (B, H, S, dh) -> M[:S, :S] v per head, in O(S·r·dh)."""
