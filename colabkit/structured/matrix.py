@@ -92,7 +92,8 @@ def _band_of_lowrank(A: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
             I, J = pairs[name]
             P, s, Qh = torch.linalg.svd(A[I][:, J], full_matrices=False)
             P, s, Q = P[:, :rank], s[:rank], Qh[:rank].T
-            u = A[i[sel]][:, J] @ (Q / s)  # (k, r)
+            s_inv = torch.where(s > s[0] * 1e-6, 1 / s, 0.0)  # pseudo-inverse: A[I, J] may have rank < r
+            u = A[i[sel]][:, J] @ (Q * s_inv)  # (k, r)
             v = A[I][:, j[sel]].T @ P  # (k, r)
             out[o][sel] = (u * v).sum(-1)
     return out[0], out[1], out[2]
@@ -134,8 +135,9 @@ class SemiseparableMatrix:
     @classmethod
     def from_dense(cls, A: torch.Tensor, rank: int, refine: int = 10, tol: float = 1e-6) -> "SemiseparableMatrix":
         """Fit T + UVᵀ to a dense A. Starts from the better of (a) the exact band recovery of
-        :func:`_band_of_lowrank` (exact when A is tridiagonal + rank r) and (b) the truncated SVD of A with
-        its band zeroed; then alternates T = band(A − UVᵀ), UVᵀ = SVD_r(A − T) — each step the exact
+        :func:`_band_of_lowrank` (exact when A is tridiagonal + rank r), (b) the truncated SVD of A with
+        its band zeroed and (c) the truncated SVD of A (so the result is never worse than the best rank-r
+        matrix alone); then alternates T = band(A − UVᵀ), UVᵀ = SVD_r(A − T) — each step the exact
         minimiser over its part, so ‖A − T − UVᵀ‖_F never increases (a local, not global, optimum)."""
         if A.dim() != 2 or A.shape[0] != A.shape[1]:
             raise ValueError(f"need a square matrix, got {tuple(A.shape)}")
@@ -146,14 +148,17 @@ class SemiseparableMatrix:
         best, best_err = None, math.inf
         if n >= 4 * rank + 6:
             T = [b0 - b1 for b0, b1 in zip(band(A), _band_of_lowrank(A, rank))]
+            if not all(torch.isfinite(t).all() for t in T):  # degenerate far blocks (A[I, J] ≈ 0)
+                T = [b.clone() for b in band(A)]
             best = cls(*T, *_svd_r(A - tridiag_dense(*T), rank, exact=False))
             best_err = best.error(A)
             if best_err <= tol:
                 return best
-        U, V = _svd_r(A - tridiag_dense(*band(A)), rank)  # SVD of the off-band part
-        S = cls(*(b.clone() for b in band(A - U @ V.T)), U, V)
-        if S.error(A) < best_err:
-            best, best_err = S, S.error(A)
+        for start in (A - tridiag_dense(*band(A)), A):  # SVD of the off-band part; of A (Eckart-Young)
+            U, V = _svd_r(start, rank)
+            S = cls(*(b.clone() for b in band(A - U @ V.T)), U, V)
+            if S.error(A) < best_err:
+                best, best_err = S, S.error(A)
         for _ in range(refine):
             U, V = _svd_r(A - tridiag_dense(best.sub, best.diag, best.sup), rank)
             S = cls(*(b.clone() for b in band(A - U @ V.T)), U, V)

@@ -46,7 +46,7 @@ class ShardedSemiseparable:
         if reduce:
             dist.all_reduce(z, group=self.group)
         local = self.U.to(X.dtype) @ z  # (rows, k)
-        padded = torch.zeros(self.chunk, X.shape[1], dtype=X.dtype)
+        padded = torch.zeros(self.chunk, X.shape[1], dtype=X.dtype, device=X.device)
         padded[:len(local)] = local
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded, group=self.group)

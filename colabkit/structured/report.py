@@ -21,12 +21,15 @@ from .matrix import SemiseparableMatrix, relative_error, storage_bytes
 
 def best_time(fn: Callable[[], Any], reps: int = 5, inner: int = 10) -> float:
     """Fastest mean seconds per call over ``reps`` rounds of ``inner`` calls (after one warm-up)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     best = math.inf
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync()
         best = min(best, (time.perf_counter() - t0) / inner)
     return best
 
