@@ -65,17 +65,21 @@ def structured_report(n: int = 2048, rank: int = 16, seed: int = 0, reps: int = 
         "matvec_time_ratio": t_struct / t_dense,
         # supporting figures
         "structured_bytes_formula": storage_bytes(n, rank), "tracked_bytes": tracked,
-        "fp16_factor_bytes": half.nbytes(), "fp16_storage_ratio": half.nbytes() / A.untyped_storage().nbytes(),
+        "fp16_factor_bytes": half.nbytes(),
+        "fp16_storage_ratio": half.nbytes() / A.untyped_storage().nbytes(),
         "fp16_matvec_error": relative_error(half @ x, ref),
-        "dense_time_s": t_dense, "structured_time_s": t_struct, "device": "cpu", "threads": torch.get_num_threads(),
+        "dense_time_s": t_dense, "structured_time_s": t_struct,
+        "device": "cpu", "threads": torch.get_num_threads(),
     }
 
 
 def format_report(r: dict[str, Any]) -> str:
     return "\n".join([
-        f"N={r['n']} rank={r['rank']}  dense {fmt_bytes(r['dense_bytes'])}, tridiagonal+rank-r {fmt_bytes(r['structured_bytes'])}"
-        f" ({r['storage_ratio']:.2%} of dense; formula {r['structured_bytes_formula']} B, tracker {r['tracked_bytes']} B)",
-        f"fp16 factors: {fmt_bytes(r['fp16_factor_bytes'])} ({r['fp16_storage_ratio']:.2%}), matvec error {r['fp16_matvec_error']:.1e}",
+        f"N={r['n']} rank={r['rank']}  dense {fmt_bytes(r['dense_bytes'])}, "
+        f"tridiagonal+rank-r {fmt_bytes(r['structured_bytes'])} ({r['storage_ratio']:.2%} of dense; "
+        f"formula {r['structured_bytes_formula']} B, tracker {r['tracked_bytes']} B)",
+        f"fp16 factors: {fmt_bytes(r['fp16_factor_bytes'])} ({r['fp16_storage_ratio']:.2%}), "
+        f"matvec error {r['fp16_matvec_error']:.1e}",
         f"recovery error {r['recovery_error']:.1e}   matvec error {r['matvec_error']:.1e}",
         f"matvec {r['structured_time_s'] * 1e6:.0f} us vs dense {r['dense_time_s'] * 1e6:.0f} us: {r['matvec_time_ratio']:.3f}x",
     ])
