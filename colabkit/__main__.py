@@ -107,6 +107,7 @@ def _train(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from . import techniques  # noqa: F401  (registers plan tokens and subcommands)
     from .estimate.cli import register_cli; register_cli(subcommand)  # noqa: E702  (estimate, plan, largest)
+    from .structured import register_cli as structured_cli; structured_cli(subcommand)  # noqa: E702  (structured)
 
     parser = argparse.ArgumentParser(prog="python -m colabkit", description="GPU memory for training, measured.")
     subs = parser.add_subparsers(dest="command", required=True)
