@@ -32,8 +32,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.browser
-
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("COLABKIT_BROWSER_ARTIFACTS", REPO / "tests" / "browser_artifacts"))
 HOW_TO = 'apt-get install chromium; pip install -e ".[dev]"'
@@ -77,10 +75,22 @@ def require_browser() -> None:
     pytest.skip(msg)
 
 
+@pytest.mark.browser
 def test_ci_does_not_skip_browser_tests():
     """Outside CI this says loudly when the browser tests cannot run; in CI a missing piece is a failure."""
     require_browser()
     assert chromium_path() and not missing_prerequisites()
+
+
+def test_missing_browser_skips_loudly_or_fails_in_ci(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "chromium_path", lambda: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.warns(BrowserTestsNotRun, match=r"DID NOT RUN.*apt-get install chromium"), \
+            pytest.raises(pytest.skip.Exception, match=re.escape(HOW_TO)):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI is set, so the browser tests must run"):
+        require_browser()
 
 
 # ---------------------------------------------------------------- JupyterLab + Chromium (one per module)
@@ -362,6 +372,7 @@ def row_sizes(text: str, first: str) -> list[float]:
 
 
 # ---------------------------------------------------------------- the tests
+@pytest.mark.browser
 def test_quickstart_live_plot_and_strategy_picker(page, lab, request):
     """00: Run All without an error; the live plot redraws while it trains; ticking fp16 greys out bf16;
     ticking accum:2 and pressing Run adds the plan's row (with less activation memory) and its bars."""
@@ -399,6 +410,7 @@ def test_quickstart_live_plot_and_strategy_picker(page, lab, request):
             time.sleep(0.3)
 
 
+@pytest.mark.browser
 def test_checkpointing_slider(page, lab, request):
     """03: Run All without an error; moving the blocks slider to 0 and to every block redraws the
     measured activations next to theory, and checkpointing every block keeps far less."""
@@ -423,6 +435,7 @@ def test_checkpointing_slider(page, lab, request):
         assert abs(act_full - theory_full) < 0.10 * act0, shown  # the notebook's own tolerance, as displayed
 
 
+@pytest.mark.browser
 def test_will_it_fit_widget(page, lab, request):
     """09: Run All without an error; picking a model and plan tokens redraws the verdict and breakdown:
     AdamW keeps 8 B/param next to the 4 B/param weights, adamw8bit about 2; gpt2-1.5b does not fit a T4."""
@@ -452,10 +465,11 @@ def test_will_it_fit_widget(page, lab, request):
         assert row_sizes(text, "params")[0] > 10 * p, text
 
 
+@pytest.mark.browser
+@pytest.mark.skipif(not (REPO / "notebooks" / "13_resilient_training.ipynb").exists(),
+                    reason="notebooks/13_resilient_training.ipynb does not exist yet")
 def test_resilient_training_kill_and_resume(page, lab, request):
-    """13 (once it exists): Run All without an error, and the kill-and-resume demo says it resumed."""
-    if not (REPO / "notebooks" / "13_resilient_training.ipynb").exists():
-        pytest.skip("notebooks/13_resilient_training.ipynb does not exist yet")
+    """13: Run All without an error, and the kill-and-resume demo says it resumed."""
     with notebook(page, lab, "13_resilient_training.ipynb", request.node.name) as nb:
         nb.run_all()
         assert re.search(r"resum", nb.root.locator(".jp-OutputArea").all_inner_texts().__str__(), re.I)
