@@ -350,6 +350,7 @@ def notebook(page, lab: Lab, name: str, test: str):
         with contextlib.suppress(Exception):
             page.screenshot(path=str(path), full_page=True)
             print(f"browser screenshot of the failure: {path}")
+        print(f"JupyterLab's log: {lab.log}")
         raise
     finally:
         lab.shut_down_kernels(name)
