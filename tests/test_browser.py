@@ -249,6 +249,19 @@ _STATE = """(root) => {
 }"""
 
 
+_NUMBERED = re.compile(r"\[\d+\]:")  # the prompt of a cell that ran ("[*]:" running or queued, "[ ]:" not run)
+
+
+def poll(predicate, timeout_s: float, what, every_s: float = 0.3):
+    """Wait until predicate() is truthy and return it; after timeout_s fail with `what` (or what())."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what() if callable(what) else what} (waited {timeout_s:.0f} s)")
+        time.sleep(every_s)
+    return result
+
+
 class Notebook:
     """One notebook open in JupyterLab in a Chromium page."""
 
@@ -263,15 +276,15 @@ class Notebook:
         cells = json.loads((REPO / "notebooks" / self.name).read_text())["cells"]
         n_code = sum(c["cell_type"] == "code" for c in cells)
         self.page.goto(self.lab.notebook_url(self.name))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            st = self.state()
-            kernel = self.lab.kernel(self.name)
-            if (len(st["prompts"]) == n_code and st["kernel"] == "idle" and kernel
-                    and kernel["execution_state"] == "idle" and kernel.get("connections", 1) >= 1):
-                break
-            assert time.monotonic() < deadline, f"{self.name} not ready in {timeout_s:.0f} s: {st}, kernel {kernel}"
-            time.sleep(0.5)
+        seen = {}
+
+        def ready() -> bool:
+            seen.update(page=self.state(), server=self.lab.kernel(self.name))
+            st, kernel = seen["page"], seen["server"]
+            return (len(st["prompts"]) == n_code and st["kernel"] == "idle" and bool(kernel)
+                    and kernel["execution_state"] == "idle" and kernel.get("connections", 1) >= 1)
+
+        poll(ready, timeout_s, lambda: f"{self.name} not ready: {seen}", every_s=0.5)
         self.root.evaluate(_RECORD_FRAMES)
         return self
 
@@ -286,16 +299,16 @@ class Notebook:
         self.page.wait_for_function("(root) => [...root.querySelectorAll('.jp-InputPrompt')].some("
                                     "p => /^\\[(\\*|\\d+)\\]:$/.test(p.textContent.trim()))",
                                     arg=self.root.element_handle(), timeout=60 * S)
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def finished() -> dict | None:
             st = self.state()
-            numbered = [bool(re.fullmatch(r"\[\d+\]:", p)) for p in st["prompts"]]
-            if "[*]:" not in st["prompts"] and any(numbered) and st["kernel"] == "idle":
-                break
-            assert time.monotonic() < deadline, f"{self.name}: Run All did not finish in {timeout_s:.0f} s: {st}"
-            time.sleep(0.5)
+            idle = "[*]:" not in st["prompts"] and st["kernel"] == "idle"
+            return st if idle and any(_NUMBERED.fullmatch(p) for p in st["prompts"]) else None
+
+        st = poll(finished, timeout_s, lambda: f"{self.name}: Run All did not finish: {self.state()}", every_s=0.5)
         assert not st["errors"], f"{self.name}: a cell shows an error:\n" + "\n".join(st["errors"])[-3000:]
-        assert all(numbered), f"{self.name}: Run All stopped before the end: prompts {st['prompts']}"
+        assert all(_NUMBERED.fullmatch(p) for p in st["prompts"]), \
+            f"{self.name}: Run All stopped before the end: prompts {st['prompts']}"
         return st
 
     def frames(self) -> list[dict]:
@@ -318,15 +331,15 @@ class Notebook:
 
     def wait_text(self, locator, pattern: str, timeout_s: float = 90) -> str:
         """Wait until the locator's text matches the regex (multiline); returns the text."""
-        deadline, text = time.monotonic() + timeout_s, ""
-        while time.monotonic() < deadline:
-            text = locator.inner_text() if locator.count() else ""
-            if re.search(pattern, text, re.M):
-                return text
+        shown = [""]
+
+        def matches() -> str | None:
             st = self.state()
             assert not st["errors"], f"{self.name}: an error is shown:\n" + "\n".join(st["errors"])[-3000:]
-            time.sleep(0.3)
-        raise AssertionError(f"{self.name}: no text matching {pattern!r} after {timeout_s:.0f} s; shown:\n{text}")
+            shown[0] = locator.inner_text() if locator.count() else ""
+            return shown[0] if re.search(pattern, shown[0], re.M) else None
+
+        return poll(matches, timeout_s, lambda: f"{self.name}: no text matching {pattern!r}; shown:\n{shown[0]}")
 
     def add_cell_and_run(self, source: str) -> None:
         """Insert a code cell below the last one, type `source` into it and run it (Shift+Enter)."""
@@ -399,16 +412,14 @@ def test_quickstart_live_plot_and_strategy_picker(page, lab, request):
         # gradients and AdamW state are untouched by autocast and accumulation; activations shrink.
         assert plan[1:4] == base[1:4], text
         assert plan[4] < base[4] and plan[0] < base[0], text
-        new = [f for f in nb.frames()[n_before:] if f["widget"]]
-        assert new, "the picker drew no chart after Run"
+        # the table is printed before the chart is drawn: wait for the chart
+        poll(lambda: any(f["widget"] for f in nb.frames()[n_before:]), 60, "the picker drew no chart after Run")
         assert not nb.state()["errors"]
 
         # negative control: the error check above does see an error shown by a cell
         nb.add_cell_and_run("raise RuntimeError('negative control: the browser test must see this')")
-        deadline = time.monotonic() + 60
-        while not any("negative control" in e for e in nb.state()["errors"]):
-            assert time.monotonic() < deadline, "the error check missed a cell's traceback"
-            time.sleep(0.3)
+        poll(lambda: any("negative control" in e for e in nb.state()["errors"]), 60,
+             "the error check missed a cell's traceback")
 
 
 @pytest.mark.browser
