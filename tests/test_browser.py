@@ -442,7 +442,7 @@ def test_checkpointing_slider(page, lab, request):
             shown[key] = (count, int(m.group(1)), nbytes(m.group(2)), nbytes(m.group(3)))
         (zero, n_blocks, act0, theory0), (full, n_blocks_, act_full, theory_full) = shown["Home"], shown["End"]
         assert zero == 0 and full == n_blocks == n_blocks_ > 0, shown
-        assert theory0 == act0, "with no block checkpointed theory is the measured baseline"
+        assert abs(theory0 - act0) <= 0.01 * act0, "with no block checkpointed theory is the measured baseline"
         assert act_full < 0.5 * act0 and theory_full < act0, shown
         assert abs(act_full - theory_full) < 0.10 * act0, shown  # the notebook's own tolerance, as displayed
 
@@ -484,4 +484,5 @@ def test_resilient_training_kill_and_resume(page, lab, request):
     """13: Run All without an error, and the kill-and-resume demo says it resumed."""
     with notebook(page, lab, "13_resilient_training.ipynb", request.node.name) as nb:
         nb.run_all()
-        assert re.search(r"resum", nb.root.locator(".jp-OutputArea").all_inner_texts().__str__(), re.I)
+        shown = "\n".join(nb.root.locator(".jp-OutputArea").all_inner_texts())
+        assert re.search(r"resum", shown, re.I), shown[-3000:]
