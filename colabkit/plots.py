@@ -169,17 +169,21 @@ def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None
 class LivePlot:
     """Memory plot redrawn in place during training; pass ``live_plot=LivePlot()`` to ``train``
     (or ``on_sample=lp.update`` to a tracker). ``save(path)`` writes a PNG (works headless).
-    With ``categories=True`` a second panel stacks the categories over time.
+    With ``categories=True`` a second panel stacks the categories over time; ``widget=True`` redraws
+    inside its own ``ipywidgets.Output`` (for a plot shown inside another widget, e.g. a picker).
     """
 
     def __init__(self, budget_bytes: int | None = T4_USABLE_BYTES, every_s: float = 0.5, title: str = "",
-                 display: bool | None = None, categories: bool = True):
+                 display: bool | None = None, categories: bool = True, widget: bool = False):
         self.budget_bytes = budget_bytes
         self.every_s = every_s
         self.title = title
         self.categories = categories
         self.samples: list[dict] = []
         self._display = _in_notebook() if display is None else display
+        # widget=True: redraw inside an ipywidgets.Output (clear + display). Use it when the plot is shown
+        # inside another widget's Output (a picker's): a display handle's update does not reach in there.
+        self.widget = widget
         self._handle = None
         self._last = 0.0
 
@@ -206,7 +210,18 @@ class LivePlot:
         from IPython.display import display
 
         fig = self.figure()
-        if self._handle is None:
+        if self.widget:
+            if self._handle is None:
+                import ipywidgets
+
+                self._handle = ipywidgets.Output()
+                display(self._handle)
+            with self._handle:
+                from IPython.display import clear_output
+
+                clear_output(wait=True)
+                display(fig)
+        elif self._handle is None:
             self._handle = display(fig, display_id=True)
         else:
             self._handle.update(fig)

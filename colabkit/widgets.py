@@ -29,8 +29,22 @@ def disabled_tokens(chosen: Sequence[str], ctx: Context | None = None) -> dict[s
     return out
 
 
+def reasons_html(off: dict[str, str]) -> str:
+    """The greyed-out tokens and why, as a collapsible list (checkbox tooltips do not show in
+    JupyterLab 4 with ipywidgets 8, so the reasons are written out).
+
+    >>> "nothing to offload" in reasons_html({"offload:params": "nothing to offload to"})
+    True
+    """
+    import html
+
+    items = "".join(f"<li><code>{html.escape(t)}</code>: {html.escape(r)}</li>" for t, r in sorted(off.items()))
+    return (f"<details><summary>Why {len(off)} are greyed out</summary><ul>{items}</ul></details>" if off
+            else "<i>every technique can be added</i>")
+
+
 def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclude: Sequence[str] = ("adamw",)):
-    """A checkbox per registered token (conflicting ones disabled, the reason in the tooltip) and a
+    """A checkbox per registered token (conflicting ones disabled, each reason listed below them) and a
     Run button that calls ``on_run(plan_string)`` and shows what it returns/prints below."""
     import ipywidgets as W
     from IPython.display import display
@@ -39,6 +53,7 @@ def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclud
                              layout=W.Layout(width="190px"))
              for tok, help_ in available_tokens() if tok not in exclude}
     out = W.Output()
+    why = W.HTML()
     button = W.Button(description="Run against baseline", button_style="primary")
 
     def chosen() -> list[str]:
@@ -49,6 +64,7 @@ def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclud
         for tok, box in boxes.items():
             box.disabled = tok in off
             box.tooltip = off.get(tok, box.tooltip)
+        why.value = reasons_html({t: r for t, r in off.items() if t in boxes})
 
     def run(_=None) -> None:
         with out:
@@ -63,6 +79,6 @@ def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclud
     refresh()
     ui = W.VBox([W.HTML("<b>Pick techniques</b> (greyed out: conflicts with your choice or this device)"),
                  W.GridBox(list(boxes.values()), layout=W.Layout(grid_template_columns="repeat(4, 200px)")),
-                 button, out])
+                 why, button, out])
     display(ui)
     return ui

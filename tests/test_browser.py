@@ -228,9 +228,15 @@ _RECORD_FRAMES = """(root) => {
     let slot = null;  // the outermost output of the cell holding the image
     for (let n = img; n && n !== cell; n = n.parentElement)
       if (n.classList.contains('jp-OutputArea-child')) slot = n;
+    const wo = img.closest('.widget-output');  // the innermost widget Output holding the image
+    if (wo && !wo.dataset.frameId) wo.dataset.frameId = String(window.__frames.length) + ':' + Math.random();
+    let wchild = null;  // inside a widget's Output: the output of that area holding the image
+    for (let n = img; wo && n && n !== wo; n = n.parentElement)
+      if (n.classList.contains('jp-OutputArea-child')) wchild = n;
     const prompt = cell.querySelector('.jp-InputPrompt');
     window.__frames.push({cell: cells.indexOf(cell), slot: slot ? [...slot.parentElement.children].indexOf(slot) : -1,
-                          widget: !!img.closest('.widget-output'), src: hash(img.src),
+                          widget: !!wo, src: hash(img.src),
+                          wslot: wchild ? wo.dataset.frameId + '/' + [...wchild.parentElement.children].indexOf(wchild) : '',
                           running: !!prompt && prompt.textContent.trim() === '[*]:'});
   };
   new MutationObserver((muts) => { for (const m of muts) {
@@ -398,11 +404,14 @@ def test_quickstart_live_plot_and_strategy_picker(page, lab, request):
         picker = nb.widget("Pick techniques")
         box = lambda tok: picker.get_by_role("checkbox", name=tok, exact=True)  # noqa: E731
         assert box("offload:optimizer").is_disabled(), "a CPU run has nothing to offload to: greyed out"
+        # the reasons are written out (JupyterLab 4 shows no tooltip on a described Checkbox)
+        picker.get_by_text(re.compile(r"^Why \d+ are greyed out")).click()
+        assert "nothing to offload to" in picker.inner_text()
         assert box("bf16").is_enabled()
         box("fp16").check()
         page.wait_for_function("(el) => el.disabled", arg=box("bf16").element_handle(), timeout=30 * S)
         box("accum:2").check()
-        out = picker.locator(".widget-output")
+        out = picker.locator(".widget-output").first   # the picker's own (live plots nest theirs inside)
         assert "fp16+accum:2" not in out.inner_text()
         n_before = len(nb.frames())
         picker.get_by_role("button", name=re.compile(r"^Run\b")).click()
@@ -414,6 +423,12 @@ def test_quickstart_live_plot_and_strategy_picker(page, lab, request):
         assert plan[4] < base[4] and plan[0] < base[0], text
         # the table is printed before the chart is drawn: wait for the chart
         poll(lambda: any(f["widget"] for f in nb.frames()[n_before:]), 60, "the picker drew no chart after Run")
+        # and while it ran, its live plot was redrawn in place inside the picker's output
+        in_slot: dict[str, set] = {}   # (which Output widget, which of its outputs) -> images it showed
+        for f in nb.frames()[n_before:]:
+            if f["widget"] and f["wslot"]:
+                in_slot.setdefault(f["wslot"], set()).add(f["src"])
+        assert any(len(v) > 1 for v in in_slot.values()), f"the picker's live plot was not redrawn in place: {in_slot}"
         assert not nb.state()["errors"]
 
         # negative control: the error check above does see an error shown by a cell
