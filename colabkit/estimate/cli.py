@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..memory import CATEGORIES, fmt_bytes
+from .calibrate import calibrate, calibration_table
 from .planner import largest, pareto, plans
 from .predict import estimate
 
@@ -15,6 +16,13 @@ def _table(r: dict) -> str:
                for n, v in r["resources"].items()),
              f"{'category':<12} {'own peak':>10} {'at peak':>10}"]
     lines += [f"{c:<12} {fmt_bytes(r['breakdown'][c]):>10} {fmt_bytes(r['at_peak'][c]):>10}" for c in CATEGORIES]
+    if "overhead_terms" in r:  # GPU profile: what the GPU adds to the tensors' peak
+        lines.append(f"{'overhead':<20} {'bytes':>10} {'+-':>9}  grows with model")
+        lines += [f"{n:<20} {fmt_bytes(t['nbytes']):>10} {fmt_bytes(t['uncertainty']):>9}  {'yes' if t['scales'] else 'no'}"
+                  for n, t in r["overhead_terms"].items()]
+        d = r["resources"]["device"]
+        lines.append(f"{'device need':<20} {fmt_bytes(d['need']):>10} {fmt_bytes(d['uncertainty']):>9}  "
+                     "(tensors' peak + overheads; sources: --json overhead_terms)")
     if "analytic" in r:
         a = r["analytic"]
         lines.append(f"formula: {a['bytes_per_param']:.1f} B/param + activations {a['activation_formula']} "
@@ -34,7 +42,7 @@ def _args(p, plan=True, model=True) -> None:
 
 
 def register_cli(subcommand) -> None:
-    """Add the ``estimate``, ``plan`` and ``largest`` subcommands with the CLI's ``subcommand`` decorator
+    """Add the ``estimate``, ``plan``, ``largest`` and ``calibrate`` subcommands with the CLI's ``subcommand`` decorator
     (called by ``colabkit.__main__.main``; importing the CLI from here would load it twice under -m)."""
 
     @subcommand("estimate", "predicted peak memory of a run, without allocating it", _args, _table)
@@ -65,3 +73,20 @@ def register_cli(subcommand) -> None:
     def _largest(args):
         return largest(args.plan, seq=args.seq, batch=args.batch, gpu=args.gpu, device=args.device)
 
+
+    def calibrate_args(p):
+        p.add_argument("--measurement", default=None, metavar="JSON",
+                       help="fit a recorded measurement instead of measuring this GPU")
+        p.add_argument("--profile", default=None, help="GPU profile key (default: the one matching the GPU's name)")
+        p.add_argument("--no-store", action="store_true", help="do not store the fitted profile")
+
+    @subcommand("calibrate", "measure this GPU's overheads and store a profile later estimates use (GPU only)",
+                calibrate_args, calibration_table)
+    def _calibrate(args):
+        import json
+
+        m = None
+        if args.measurement:
+            with open(args.measurement) as f:
+                m = json.load(f)
+        return calibrate(m, key=args.profile, store=not args.no_store)

@@ -24,7 +24,7 @@ from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_
 
 def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "baseline", batch: int = 8,
              seq: int = 128, gpu: str | None = "t4", device: str | None = None, steps: int = 2,
-             budget_bytes: int | None = None) -> dict[str, Any]:
+             budget_bytes: int | None = None, calibration: dict[str, Any] | bool = True) -> dict[str, Any]:
     """Predicted peak and per-category breakdown of a training run, on a GPU profile or on the CPU.
 
     ``device="cpu"`` predicts a CPU ``bench`` run (what CI checks); ``gpu="t4"`` (or another key of
@@ -33,7 +33,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     ``host_bytes``. ``peak_bytes`` stays the tensors' peak (what ``max_memory_allocated`` shows);
     ``overheads`` names what the GPU adds (:mod:`.overheads`: CUDA context, cuBLAS workspaces, allocator
     rounding, fragmentation, optimizer-step temporaries), and the device resource needs their sum on top,
-    within their ``uncertainty``, of the capacity CUDA reports (``budget_bytes``).
+    within their ``uncertainty``, of the capacity CUDA reports (``budget_bytes``). ``calibration``: True
+    uses the profile ``colabkit calibrate`` stored for this GPU (if any), False ignores it, a dict is used.
 
     >>> r = estimate("gpt-tiny", "checkpoint" if "checkpoint" in REGISTRY else "baseline", 2, 16)
     >>> r["peak_bytes"] < r["budget_bytes"]
@@ -59,8 +60,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     terms: dict[str, _overheads.Term] = {}
     if profile is not None:
         # The budget is the capacity CUDA reports; what the GPU adds to the traced tensors is named in `overheads`.
-        budget = budget_bytes or profile["capacity_bytes"]
-        calibrated = _overheads.load_profile(profile["key"])
+        calibrated = (_overheads.load_profile(profile["key"]) if calibration is True
+                      else calibration or None)  # False: the uncalibrated terms; a dict: that profile
+        budget = budget_bytes or (calibrated or {}).get("capacity_bytes") or profile["capacity_bytes"]
         terms = _overheads.terms(profile, plan, t["trainable_shapes"], int(peak), t.get("frozen16", ()),
                                  transformers_model=type(cfg).__module__.startswith("transformers"),
                                  calibrated=calibrated)
