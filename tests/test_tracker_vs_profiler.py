@@ -3,7 +3,7 @@ activation term against the published per-layer formula.
 
 1. ``torch.profiler.profile(profile_memory=True)`` records every allocation and free the CPU allocator
    reports (``[memory]`` events with their byte counts); their running sum's maximum is the allocator's
-   peak. The tracker (a dispatch mode that sees tensor storages) must agree within 2% on 6 plans x 3
+   peak (:func:`colabkit.estimate.calibrate.allocator_peak`). The tracker (a dispatch mode that sees tensor storages) must agree within 2% on 6 plans x 3
    architectures: colabkit's GPT, a transformers Llama (``llama:LxD``), a transformers GPT-2 config.
 2. Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, eq. 1-2):
    per layer s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations and the attention matrix materialised,
@@ -18,21 +18,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import colabkit.techniques  # noqa: F401  (registers the plan tokens)
+from colabkit.estimate.calibrate import allocator_peak
 from colabkit.estimate.trace import trace
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model
 from colabkit.trainer import Trainer
-
-
-def allocator_peak(prof) -> int:
-    """The CPU allocator's peak during ``prof``: the running sum of its [memory] events (+alloc, -free)."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
 
 
 def gpt2_hf():

@@ -35,6 +35,26 @@ from .predict import estimate
 CASES = [("gpt2-124m", "baseline", 1, 256), ("gpt2-124m", "fp16+checkpoint", 2, 256), ("gpt-small", "baseline", 4, 256)]
 
 
+def allocator_peak(prof) -> int:
+    """torch's own accounting of a run's peak: the running sum of the allocator's ``[memory]`` events
+    (+alloc, -free) recorded by ``torch.profiler.profile(profile_memory=True)``; on the CPU the reference
+    the tracker is checked against (on a GPU, ``torch.cuda.max_memory_allocated``).
+
+    >>> from torch.profiler import profile
+    >>> with profile(profile_memory=True) as prof:
+    ...     a = torch.ones(1000); b = torch.ones(1000); del a, b
+    >>> allocator_peak(prof)
+    8000
+    """
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
 class NoGPUError(ValueError):
     """Calibration measures a GPU; there is none here."""
 
