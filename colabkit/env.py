@@ -37,19 +37,6 @@ GPU_PROFILES: dict[str, dict[str, Any]] = {
         "capacity 14.74 GiB = the 'total capacity' of Colab T4 OOM messages (14.74 / 14.75 GiB, quoted in "
         "issue 12); sm75: no bf16 units, no flash attention (needs sm80); host RAM ~12.7 GB (Colab VM)",
     },
-    "t4x2": {
-        "name": "Tesla T4", "match": ("T4",), "count": 2, "platform": "kaggle",
-        "total_bytes": 15360 * MiB,
-        "capacity_bytes": int(14.74 * GiB),
-        "usable_bytes": int(14.5 * GiB),
-        "capability": (7, 5),
-        "native_bf16": False,
-        "sdpa": ["math", "efficient"],
-        "host_ram_bytes": int(29e9),
-        "source": "Kaggle 'GPU T4 x2': two T4s, each as the t4 profile (the estimate judges one GPU: "
-        "without sharding every process holds the whole run); host RAM ~29 GB as Kaggle's session panel "
-        "shows it (approximate, not measured here)",
-    },
     "p100": {
         "name": "Tesla P100-PCIE-16GB", "match": ("P100",), "count": 1, "platform": "kaggle",
         "total_bytes": 16280 * MiB,
@@ -90,6 +77,11 @@ GPU_PROFILES: dict[str, dict[str, Any]] = {
         "host RAM ~83.5 GB (Colab's A100 VM, approximate)",
     },
 }
+GPU_PROFILES["t4x2"] = dict(
+    GPU_PROFILES["t4"], count=2, platform="kaggle", host_ram_bytes=int(29e9),
+    source="Kaggle 'GPU T4 x2': two T4s, each as the t4 profile (the estimate judges one GPU: without sharding "
+    "every process holds the whole run); host RAM ~29 GB as Kaggle's session panel shows it (approximate, not "
+    "measured here)")
 GPU_PROFILES["a100-40gb"] = GPU_PROFILES["a100"]
 
 
@@ -303,6 +295,7 @@ def format_env(info: dict[str, Any] | None = None) -> str:
         f"native bf16   {info['bf16_native']}",
         f"SDPA          {', '.join(info['sdpa_backends'])}",
         f"budget        {gib(info['budget_bytes'])}" + ("  (T4 emulation)" if info["emulating_t4"] else ""),
+        f"GPU profile   {info.get('profile') or '-'}",
         f"smoke mode    {info['smoke']}",
     ]
     if not info["gpu"]:
