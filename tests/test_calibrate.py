@@ -13,6 +13,7 @@ import torch
 from colabkit.estimate import estimate
 from colabkit.estimate import overheads as ov
 from colabkit.estimate.calibrate import NoGPUError, calibrate, calibration_table, fit
+from tests.conftest import requires_cuda
 
 DATA = Path(__file__).parent / "data" / "calibration_t4_constructed.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +72,22 @@ def test_cli_says_it_needs_a_gpu():
     out = subprocess.run([sys.executable, "-m", "colabkit", "calibrate"], capture_output=True, text=True,
                          timeout=120, env=env, cwd=ROOT)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+@requires_cuda
+def test_measure_device_on_this_gpu(tmp_path, monkeypatch):
+    from colabkit.estimate.calibrate import measure_device
+
+    monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
+    m = measure_device()
+    assert m["context_bytes"] > 0 and m["capacity_bytes"] == torch.cuda.get_device_properties(0).total_memory
+    assert all(s["reserved_peak"] >= s["allocated_peak"] > 0 for s in m["steps"])
+    r = calibrate(m, key=None if ov_profile(m) else "t4", store=True)
+    print(calibration_table(r))
+    assert all(abs(row["allocated_error"]) < 0.25 for row in r["after"])  # the trace vs max_memory_allocated
+
+
+def ov_profile(m):
+    from colabkit.env import profile_for
+
+    return profile_for(m["gpu"])
