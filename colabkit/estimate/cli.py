@@ -30,6 +30,12 @@ def _table(r: dict) -> str:
     return "\n".join(lines + r["notes"])
 
 
+def _need(r: dict) -> str:
+    """``need +- uncertainty`` of the device (peak plus the GPU's overheads), or '' without a GPU profile."""
+    d = (r.get("resources") or {}).get("device")
+    return f"need {fmt_bytes(d['need'])} +-{fmt_bytes(d['uncertainty'])}" if d and d["uncertainty"] else ""
+
+
 def _args(p, plan=True, model=True) -> None:
     if model:
         p.add_argument("--model", default="gpt2-124m")
@@ -54,7 +60,8 @@ def register_cli(subcommand) -> None:
         p.add_argument("--chart", default=None, metavar="PNG", help="save the Pareto chart (memory vs overhead)")
 
     @subcommand("plan", "the plans that fit, cheapest step first", plan_args,
-                lambda rows: "\n".join(f"{'fits' if r['fits'] else 'no  '} {fmt_bytes(r['peak_bytes']):>10} "
+                lambda rows: "\n".join(f"{r.get('verdict') or ('fits' if r['fits'] else 'does not fit'):<12} "
+                                       f"{fmt_bytes(r['peak_bytes']):>10} {_need(r):>22} "
                                        f"{(r['overhead'] or 0):+7.0%}  {r['plan']}" for r in rows))
     def _plan(args):
         rows = plans(args.model, args.batch, args.seq, args.gpu, args.device)
@@ -64,8 +71,8 @@ def register_cli(subcommand) -> None:
             matplotlib.use("Agg")
             ax = pareto(rows, budget_bytes=next((r["budget_bytes"] for r in rows if r.get("budget_bytes")), None))
             ax.figure.savefig(args.chart, dpi=120, bbox_inches="tight")
-        return [{k: r.get(k) for k in ("plan", "fits", "peak_bytes", "host_bytes", "overhead", "step_time_s",
-                                       "breakdown", "error")} for r in rows]
+        return [{k: r.get(k) for k in ("plan", "fits", "verdict", "peak_bytes", "host_bytes", "overhead", "step_time_s",
+                                       "breakdown", "overheads", "resources", "error")} for r in rows]
 
     @subcommand("largest", "the largest GPT-shaped model that fits a plan", lambda p: _args(p, model=False),
                 lambda r: f"{r['model']}: {r['params'] / 1e9:.2f}B params, peak {fmt_bytes(r['peak_bytes'])} "
