@@ -26,7 +26,7 @@ from .plots import LivePlot, audit, draw_categories, draw_timeline, plot_breakdo
 from .techniques.attention import attention_memory, attention_run, quadratic_fit, random_qkv
 from .techniques.precision import autocast
 from .demos import fp16_overflow_demo
-from .estimate import estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
+from .estimate import calibrate, estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
 from .oom import OutOfMemoryWithAdvice, oom_guard
 from .techniques.checkpoint import checkpoint_blocks, saved_bytes
 from .techniques.accumulation import micro_batch_sizes, window_loss

@@ -17,22 +17,97 @@ import torch
 GiB = 1024**3
 MiB = 1024**2
 
-# A T4 reports 15360 MiB total (nvidia-smi 15360MiB; torch total_memory 15.64e9 bytes on Colab).
-# About 14.5 GiB of it is usable by tensors: the CUDA context and cuBLAS/cuDNN workspaces take
-# ~0.3-0.5 GiB and the caching allocator's fragmentation some more. Colab's VM has ~12.7 GB RAM.
+# GPU profiles: what a run on that GPU can count on. ``capacity_bytes`` is what CUDA reports as the
+# device's total memory (``torch.cuda.get_device_properties(0).total_memory``, the "total capacity" of
+# torch's OOM message): the estimate's budget, from which the CUDA context, cuBLAS workspaces and the
+# allocator's slack are subtracted as named terms (colabkit.estimate.overheads). ``usable_bytes`` is the
+# older flat figure (capacity minus ~0.4 GiB context and slack) that T4 emulation and the plots use.
+# ``count`` > 1: that many identical GPUs (one process per GPU; each judged against one GPU's capacity).
 GPU_PROFILES: dict[str, dict[str, Any]] = {
     "t4": {
-        "name": "Tesla T4",
+        "name": "Tesla T4", "match": ("T4",), "count": 1,
         "total_bytes": 15360 * MiB,
+        "capacity_bytes": int(14.74 * GiB),
         "usable_bytes": int(14.5 * GiB),
         "capability": (7, 5),
         "native_bf16": False,
         "sdpa": ["math", "efficient"],
         "host_ram_bytes": int(12.7e9),
-        "source": "T4 datasheet (16 GB GDDR6, 15360 MiB visible); usable = total minus CUDA context "
-        "(~0.4 GiB) and allocator slack, as seen on Colab",
+        "source": "Colab free tier. nvidia-smi shows 15360 MiB (T4 datasheet: 16 GB GDDR6, part kept for ECC); "
+        "capacity 14.74 GiB = the 'total capacity' of Colab T4 OOM messages (14.74 / 14.75 GiB, quoted in "
+        "issue 12); sm75: no bf16 units, no flash attention (needs sm80); host RAM ~12.7 GB (Colab VM)",
+    },
+    "p100": {
+        "name": "Tesla P100-PCIE-16GB", "match": ("P100",), "count": 1, "platform": "kaggle",
+        "total_bytes": 16280 * MiB,
+        "capacity_bytes": int(15.89 * GiB),
+        "usable_bytes": int(15.5 * GiB),
+        "capability": (6, 0),
+        "native_bf16": False,
+        "sdpa": ["math", "efficient"],
+        "host_ram_bytes": int(29e9),
+        "source": "Kaggle 'GPU P100'. nvidia-smi 16280 MiB = 15.89 GiB, the 'total capacity' of OOM messages "
+        "from 16 GB P100s; sm60: no bf16, no tensor cores, no flash attention; host RAM ~29 GB (Kaggle "
+        "session panel, approximate)",
+    },
+    "l4": {
+        "name": "NVIDIA L4", "match": ("L4",), "count": 1,
+        "total_bytes": 23034 * MiB,
+        "capacity_bytes": int(22.03 * GiB),
+        "usable_bytes": int(21.6 * GiB),
+        "capability": (8, 9),
+        "native_bf16": True,
+        "sdpa": ["math", "efficient", "flash"],
+        "host_ram_bytes": int(53e9),
+        "source": "Colab L4 runtime. nvidia-smi 23034 MiB (24 GB GDDR6); OOM messages from 24 GB L4/A10G cards "
+        "read 'total capacity of 22.03'-'22.16 GiB': the lowest is used; sm89: bf16 and flash attention; "
+        "host RAM ~53 GB (Colab's L4 VM, approximate)",
+    },
+    "a100": {
+        "name": "NVIDIA A100-SXM4-40GB", "match": ("A100", "40GB"), "count": 1,
+        "total_bytes": 40960 * MiB,
+        "capacity_bytes": int(39.39 * GiB),
+        "usable_bytes": int(39.0 * GiB),
+        "capability": (8, 0),
+        "native_bf16": True,
+        "sdpa": ["math", "efficient", "flash"],
+        "host_ram_bytes": int(83.5e9),
+        "source": "Colab A100 (40 GB) runtime. nvidia-smi 40960 MiB; OOM messages from A100-SXM4-40GB read "
+        "'total capacity of 39.39'-'39.56 GiB': the lowest is used; sm80: bf16 and flash attention; "
+        "host RAM ~83.5 GB (Colab's A100 VM, approximate)",
     },
 }
+GPU_PROFILES["t4x2"] = dict(
+    GPU_PROFILES["t4"], count=2, platform="kaggle", host_ram_bytes=int(29e9),
+    source="Kaggle 'GPU T4 x2': two T4s, each as the t4 profile (the estimate judges one GPU: without sharding "
+    "every process holds the whole run); host RAM ~29 GB as Kaggle's session panel shows it (approximate, not "
+    "measured here)")
+GPU_PROFILES["a100-40gb"] = GPU_PROFILES["a100"]
+
+
+def profile_for(gpu_name: str | None, count: int = 1, platform: str | None = None) -> str | None:
+    """The key of :data:`GPU_PROFILES` whose ``match`` words all occur in ``gpu_name`` (CUDA's device name);
+    with ``count`` GPUs on Kaggle, the multi-GPU profile (``t4x2``). None when no profile matches.
+
+    >>> profile_for("Tesla T4"), profile_for("Tesla T4", count=2, platform="kaggle"), profile_for("NVIDIA A100-SXM4-80GB")
+    ('t4', 't4x2', None)
+    """
+    if not gpu_name:
+        return None
+    name = gpu_name.upper()
+    best = None
+    for key, p in GPU_PROFILES.items():
+        if key != p.get("key", key) or not all(w.upper() in name for w in p["match"]):
+            continue
+        if p["count"] == count and p.get("platform", platform) == platform:
+            return key
+        if p["count"] == 1 and best is None:
+            best = key
+    return best
+
+
+for _k, _p in GPU_PROFILES.items():
+    _p.setdefault("key", _k)
 T4_USABLE_BYTES = GPU_PROFILES["t4"]["usable_bytes"]
 
 _EMULATING_T4 = False
@@ -142,6 +217,7 @@ def env() -> dict[str, Any]:
         "smoke": smoke_mode(),
         "emulating_t4": _EMULATING_T4,
         "budget_bytes": budget_bytes(),
+        "profile": None,
     }
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -151,6 +227,7 @@ def env() -> dict[str, Any]:
             vram_total_bytes=total,
             vram_free_bytes=free,
         )
+        info["profile"] = profile_for(info["gpu"], info["gpu_count"], info["platform"])
     from importlib.metadata import PackageNotFoundError, version
 
     try:  # the version without importing it (its import is slow and chatty)
@@ -218,6 +295,7 @@ def format_env(info: dict[str, Any] | None = None) -> str:
         f"native bf16   {info['bf16_native']}",
         f"SDPA          {', '.join(info['sdpa_backends'])}",
         f"budget        {gib(info['budget_bytes'])}" + ("  (T4 emulation)" if info["emulating_t4"] else ""),
+        f"GPU profile   {info.get('profile') or '-'}",
         f"smoke mode    {info['smoke']}",
     ]
     if not info["gpu"]:

@@ -43,7 +43,7 @@ def test_offload_optimizer_moves_state_to_host():
 def test_gpu_profile_rounds_to_512_and_uses_t4_budget():
     cpu = estimate("gpt:2x64", "baseline", batch=2, seq=16, device="cpu")
     t4 = estimate("gpt:2x64", "baseline", batch=2, seq=16, gpu="t4")
-    assert t4["budget_bytes"] == int(14.5 * 1024**3)
+    assert t4["budget_bytes"] == int(14.74 * 1024**3)  # the capacity CUDA reports; overheads add to the need
     assert all(v % 512 == 0 for v in t4["breakdown"].values())
     assert t4["peak_bytes"] >= cpu["peak_bytes"]  # rounding only adds
     assert any("15360 MiB" in n for n in t4["notes"])

@@ -6,9 +6,12 @@ The package, file by file:
   for what cannot run on fake tensors (bitsandbytes kernels), listed in ``notes``;
 - :mod:`.formulas` — the textbook formula (bytes per parameter, Korthikanti et al.'s activations)
   and the host/GPU split of offloaded state;
-- :mod:`.predict`  — :func:`estimate`: one run's predicted peak, breakdown and verdict;
+- :mod:`.overheads` — what a GPU adds to the traced tensors: CUDA context, cuBLAS workspaces, allocator
+  rounding, fragmentation, optimizer-step temporaries, each with its size and source;
+- :mod:`.predict`  — :func:`estimate`: one run's predicted peak, breakdown, overheads and verdict;
 - :mod:`.planner`  — :func:`plans` (what fits, cheapest first), :func:`largest`, the OOM suggestion;
-- :mod:`.cli`      — the ``estimate``, ``plan`` and ``largest`` subcommands.
+- :mod:`.calibrate` — :func:`calibrate`: measure this GPU's overheads, store a profile estimates use;
+- :mod:`.cli`      — the ``estimate``, ``plan``, ``largest`` and ``calibrate`` subcommands.
 
 >>> r = estimate("gpt-tiny", "baseline", batch=2, seq=16, device="cpu")
 >>> r["fits"]
@@ -20,7 +23,8 @@ from .formulas import analytic
 from .planner import COST, candidate_plans, gpt2_shape, largest, pareto, plans, step_time, suggest, _fast_estimate
 from .predict import estimate
 from .trace import CUDA_ALLOC_ROUND, check_as_gpu, trace
+from .calibrate import calibrate
 from .cli import _table, register_cli
 
 __all__ = ["analytic", "COST", "candidate_plans", "gpt2_shape", "largest", "pareto", "plans", "step_time",
-           "suggest", "estimate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]
+           "suggest", "estimate", "calibrate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]

@@ -17,7 +17,7 @@ from ..memory import CATEGORIES
 from ..models import GPT, GPT2_VOCAB, GPTConfig, gpt_config
 from ..oom import register_suggester
 from ..plan import REGISTRY, Context, Plan, PlanError
-from .predict import estimate
+from .predict import estimate, rejudge
 from .trace import _as_t4, check_as_gpu
 
 GiB = 1024**3
@@ -171,7 +171,9 @@ def _fast_estimate(cfg: GPTConfig, plan: str, batch: int, seq: int, gpu: str | N
     out["at_peak"] = {c: lin(r1["at_peak"][c], r2["at_peak"][c]) for c in CATEGORIES}
     out["host_bytes"] = lin(r1["host_bytes"], r2["host_bytes"])
     out["params"], out["trainable_params"] = cfg.n_params, lin(r1["trainable_params"], r2["trainable_params"])
-    out["fits"] = out["peak_bytes"] <= out["budget_bytes"]
+    if "overheads" in r2:  # GPU terms (issue 12) are affine in depth too: extrapolated like the peak
+        out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
+    out.update(rejudge(out, lin(r1["resources"]["device"]["uncertainty"], r2["resources"]["device"]["uncertainty"])))
     out["model"] = f"gpt:{L}x{cfg.n_embd}:v{cfg.vocab_size}"
     return out
 

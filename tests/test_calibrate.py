@@ -1,0 +1,93 @@
+"""Calibration's fitting and storage, on the CPU, from the recorded file tests/data/calibration_t4_constructed.json
+(a CONSTRUCTED example, not a GPU measurement: see its CONSTRUCTED_EXAMPLE field); and the CLI's refusal
+without a GPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colabkit.estimate import estimate
+from colabkit.estimate import overheads as ov
+from colabkit.estimate.calibrate import NoGPUError, calibrate, calibration_table, fit
+from tests.conftest import requires_cuda
+
+DATA = Path(__file__).parent / "data" / "calibration_t4_constructed.json"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def recorded():
+    with open(DATA) as f:
+        m = json.load(f)
+    assert "NOT A GPU MEASUREMENT" in m["CONSTRUCTED_EXAMPLE"]
+    return m
+
+
+def test_fit_is_the_measurement_arithmetic(recorded):
+    p = fit(recorded)
+    ratios = [s["reserved_peak"] / s["allocated_peak"] - 1 for s in recorded["steps"]]
+    assert p["fragmentation"] == pytest.approx(sum(ratios) / 3, abs=1e-4)
+    assert p["fragmentation_uncertainty"] == pytest.approx(max(ratios) - min(ratios), abs=1e-4)
+    assert p["context_bytes"] == recorded["context_bytes"]
+    assert p["capacity_bytes"] == recorded["capacity_bytes"]
+
+
+def test_stored_profile_is_used_by_later_estimates(recorded, tmp_path, monkeypatch):
+    monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
+    uncalibrated = estimate("gpt:2x64", "baseline", batch=2, seq=32, gpu="t4")
+    r = calibrate(recorded, store=True)
+    stored = json.loads((tmp_path / "t4.json").read_text())
+    assert r["stored"] == str(tmp_path / "t4.json") and stored == r["fitted"]
+    after = estimate("gpt:2x64", "baseline", batch=2, seq=32, gpu="t4")
+    assert after["overheads"]["cuda_context"] == recorded["context_bytes"]
+    assert after["overheads"]["fragmentation"] == int(stored["fragmentation"] * after["peak_bytes"])
+    assert after["budget_bytes"] == recorded["capacity_bytes"]
+    # negative control: before storing, and with calibration=False, the assumed ladder is used
+    ladder = ov.CONTEXT_LADDER["torch"][0] + ov.CONTEXT_LADDER["cublas"][0]
+    assert uncalibrated["overheads"]["cuda_context"] == ladder != recorded["context_bytes"]
+    off = estimate("gpt:2x64", "baseline", batch=2, seq=32, gpu="t4", calibration=False)
+    assert off["overheads"]["cuda_context"] == ladder
+    # the report: the error of each step before and after, as the arithmetic on the file gives it
+    for row, step in zip(r["after"], recorded["steps"]):
+        used = recorded["context_bytes"] + step["reserved_peak"]
+        assert row["measured_used"] == used
+        assert row["need_error"] == pytest.approx((row["estimate_need"] - used) / used)
+    assert "profile t4" in calibration_table(r)
+
+
+def test_unknown_gpu_is_refused(recorded):
+    with pytest.raises(ValueError, match="no GPU profile matches"):
+        calibrate(dict(recorded, gpu="NVIDIA H100 80GB HBM3"), store=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_cli_says_it_needs_a_gpu():
+    with pytest.raises(NoGPUError, match="needs a CUDA GPU"):
+        calibrate(store=False)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "colabkit", "calibrate"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+@requires_cuda
+def test_measure_device_on_this_gpu(tmp_path, monkeypatch):
+    from colabkit.estimate.calibrate import measure_device
+
+    monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
+    m = measure_device()
+    assert m["context_bytes"] > 0 and m["capacity_bytes"] == torch.cuda.get_device_properties(0).total_memory
+    assert all(s["reserved_peak"] >= s["allocated_peak"] > 0 for s in m["steps"])
+    r = calibrate(m, key=None if ov_profile(m) else "t4", store=True)
+    print(calibration_table(r))
+    assert all(abs(row["allocated_error"]) < 0.25 for row in r["after"])  # the trace vs max_memory_allocated
+
+
+def ov_profile(m):
+    from colabkit.env import profile_for
+
+    return profile_for(m["gpu"])
