@@ -1,9 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("COLABKIT_SMOKE", "1")
+# estimates must not depend on a calibration profile stored on this machine (python -m colabkit calibrate)
+os.environ["COLABKIT_PROFILE_DIR"] = tempfile.mkdtemp(prefix="colabkit-test-profiles-")
 
 
 @pytest.fixture(autouse=True)
