@@ -108,6 +108,10 @@ def profile_for(gpu_name: str | None, count: int = 1, platform: str | None = Non
 
 for _k, _p in GPU_PROFILES.items():
     _p.setdefault("key", _k)
+# Free disk for offload:disk's state file (a temporary folder on the VM's local disk), approximate: a fresh
+# Colab VM shows ~107 GB total with ~78 GB free (df -h /tmp); Kaggle's sessions ~60 GB of scratch space.
+for _p in GPU_PROFILES.values():
+    _p.setdefault("disk_bytes", int(60e9) if _p.get("platform") == "kaggle" else int(78e9))
 T4_USABLE_BYTES = GPU_PROFILES["t4"]["usable_bytes"]
 
 _EMULATING_T4 = False

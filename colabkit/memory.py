@@ -380,6 +380,8 @@ class MemoryTracker:
             self._at_peak = dict(cats)
             self._phase_at_peak = self._phase
             self._step_at_peak = self._step
+            # per phase of allocation: the total's peak, the categories then, and each category's own peak
+            self._phase_peaks: dict[str, dict[str, Any]] = {}
 
     def _fold(self) -> None:
         """Replay pending events with final categories into the running peaks, then drop them."""
@@ -398,6 +400,15 @@ class MemoryTracker:
                     if total > self._peak:
                         self._peak, self._at_peak = total, dict(cats)
                         self._phase_at_peak, self._step_at_peak = info.phase, info.step
+                    pp = self._phase_peaks.get(info.phase)
+                    if pp is None:
+                        pp = self._phase_peaks[info.phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
+                    if total > pp["peak"]:
+                        pp["peak"], pp["at_peak"] = total, dict(cats)
+                    own = pp["own"]  # each category's largest value during the phase (also what it carries in)
+                    for k, v in cats.items():
+                        if v > own[k]:
+                            own[k] = v
                 else:
                     dead.append(key)
             for key in dead:
@@ -465,6 +476,8 @@ class MemoryTracker:
             "at_peak": dict(self._at_peak),
             "peak_phase": self._phase_at_peak,
             "peak_step": self._step_at_peak,
+            "phase_peaks": {p: {"peak": v["peak"], "at_peak": dict(v["at_peak"]), "own": dict(v["own"])}
+                            for p, v in self._phase_peaks.items()},
             "budget_bytes": self.budget_bytes,
             "alerts": list(self.alerts),
             "host_rss_peak": max((s["host_rss"] or 0) for s in self.timeline) if self.timeline else None,

@@ -8,7 +8,9 @@ torch.Size([2, 16, 256])
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -180,6 +182,48 @@ def model_params(name: str, seq: int | None = None) -> int | None:
     if seq is not None and seq > cfg.block_size:
         cfg = replace(cfg, block_size=seq)
     return cfg.n_params
+
+
+HUB_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "hub_configs")
+HUB_ALIASES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+               "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl"}
+
+
+def shipped_hub_ids() -> list[str]:
+    """Hub ids whose config.json ships with colabkit (no weights): estimates of them work offline."""
+    return sorted(f[:-5].replace("__", "/") for f in os.listdir(HUB_CONFIG_DIR) if f.endswith(".json"))
+
+
+def hub_config(model_id: str) -> Any:
+    """The transformers config of a hub model: the shipped copy (offline) when there is one, else the
+    hub or its cache. Never loads weights.
+
+    >>> hub_config("gpt2").n_embd, hub_config("meta-llama/Llama-3.1-8B").num_key_value_heads
+    (768, 8)
+    """
+    try:
+        from transformers import AutoConfig, CONFIG_MAPPING
+    except ImportError as e:
+        raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
+    model_id = HUB_ALIASES.get(model_id, model_id)
+    path = os.path.join(HUB_CONFIG_DIR, model_id.replace("/", "__") + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            cfg = json.load(f)
+        return CONFIG_MAPPING[cfg.pop("model_type")](**cfg)
+    try:
+        return AutoConfig.from_pretrained(model_id)
+    except OSError as err:
+        raise OSError(f"no config for {model_id!r}: not shipped with colabkit ({', '.join(shipped_hub_ids())}) and "
+                      f"not reachable on the hub or in its cache ({err})") from err
+
+
+def hf_from_config(model_id: str, seq: int | None = None) -> nn.Module:
+    """A hub model's architecture with random weights, from :func:`hub_config` (how the estimator
+    builds ``hf:<id>``: it needs shapes, never weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hub_config(model_id))
 
 
 def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.Module:

@@ -63,25 +63,43 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
             "activation_formula": formula, "total": total}
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """Host RAM a pinned allocation of ``nbytes`` takes: CUDA's caching host allocator hands out blocks
+    rounded up to a power of two (c10 CachingHostAllocator, ``PowerOf2Ceil``) -- up to 2x the tensor.
+
+    >>> pinned_bytes(4 * 1600 * 6400), pinned_bytes(4096)
+    (67108864, 4096)
+    """
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trainable_shapes: list, L: int,
                 notes: list[str]) -> tuple[dict, dict, int]:
     """Move offloaded categories to host RAM: what the GPU keeps is one staging tensor (optimizer),
-    two blocks of weights (params: current + prefetch), one block of saved activations."""
+    two blocks of weights (params: current + prefetch), one block of saved activations. Pinned host
+    tensors (master weights, gradient buffers, streamed weights) count with CUDA's power-of-two rounding."""
     br, at, host = dict(br), dict(at), 0
     biggest = 4 * max((math.prod(s) for s in trainable_shapes), default=0)
     n_train = sum(math.prod(s) for s in trainable_shapes)
+    pinned = sum(pinned_bytes(4 * math.prod(s)) for s in trainable_shapes)  # one pinned fp32 copy of each
     for what in sorted(offload):
         cat = {"optimizer": "optimizer", "params": "params", "activations": "activations"}[what]
         keep = {"optimizer": 0, "params": br["params"] * min(1.0, 2 / max(L, 1)),
                 "activations": br["activations"] / max(L, 1)}[what]
         moved = br[cat] - int(keep)
-        host += moved
+        if what == "params" and n_train:  # each streamed weight is a pinned host tensor
+            moved_host = int(moved * pinned / (4 * n_train))
+        else:
+            moved_host = moved
+        host += moved_host
         at[cat] = max(0, at[cat] - moved)
         br[cat] = int(keep)
         extra = ""
-        if what == "optimizer":  # HostOptimizer: fp32 master + gradient buffer on the host; each gradient
-            host += 8 * n_train  # leaves the GPU as soon as it is complete (about one tensor at a time)
+        if what == "optimizer":  # HostOptimizer: pinned fp32 master + gradient buffer per tensor; each gradient
+            host += 2 * pinned   # leaves the GPU as soon as it is complete (about one tensor at a time)
             at["grads"], br["grads"] = min(at["grads"], biggest), min(br["grads"], biggest)
-            extra = f"; host also holds fp32 master weights and gradient buffers ({fmt_bytes(8 * n_train)})"
-        notes.append(f"offload:{what}: {fmt_bytes(moved)} moved to host RAM (GPU keeps {fmt_bytes(keep)}){extra}")
+            extra = (f"; host also holds pinned fp32 master weights and gradient buffers ({fmt_bytes(2 * pinned)}, "
+                     f"{fmt_bytes(8 * n_train)} before CUDA's power-of-two pinned rounding)")
+        notes.append(f"offload:{what}: {fmt_bytes(moved)} moved to host RAM as {fmt_bytes(moved_host)} "
+                     f"(GPU keeps {fmt_bytes(keep)}){extra}")
     return br, at, host

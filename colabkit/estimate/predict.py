@@ -10,13 +10,17 @@ the textbook formula beside it so you see where that is off.
 """
 from __future__ import annotations
 
+import math
+import shutil
 from typing import Any, Callable
 
 import torch
 
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
-from ..plan import REGISTRY, Plan
+from ..models import gpt_config, hub_config
+from ..plan import REGISTRY, Context, Plan
+from ..techniques.disk_offload import CHUNK_ELEMS, disk_state_bytes, offload_dir
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
 from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_as_gpu, trace_with_substitutes
@@ -47,14 +51,24 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         traced_plan, offload = _split_gpu_tokens(plan, profile)
         if profile is not None:
             check_as_gpu(plan)
+        elif "offload:disk" in plan:
+            plan.check(Context(device=torch.device("cpu")))
+        disk = "offload:disk" in traced_plan  # a file on disk: traced as AdamW, the state moved below
+        if disk:
+            traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
-                                    CUDA_ALLOC_ROUND if profile else 1, notes)
-    br, at = t["breakdown"], t["at_peak"]
-    host = 0
+                                   CUDA_ALLOC_ROUND if profile else 1, notes, profile)
     cfg = t["config"]
-    if offload:
-        br, at, host = _host_split(br, at, offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), notes)
-        peak = sum(at.values())
+    disk_bytes = _disk_split(t, notes) if disk else 0
+    # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
+    phases = {p: _host_split(v["own"], v["at_peak"], offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), [])
+              for p, v in t["phase_peaks"].items()}
+    br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
+                               getattr(cfg, "n_layer", 1), notes)
+    phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
+    if offload and phase_peaks:
+        top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])
+        peak, at, t["peak_phase"] = phase_peaks[top]["peak"], phase_peaks[top]["at_peak"], top
     else:
         peak = t["peak_bytes"]
     terms: dict[str, _overheads.Term] = {}
@@ -77,7 +91,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
            "breakdown": {c: int(br[c]) for c in CATEGORIES}, "at_peak": {c: int(at[c]) for c in CATEGORIES},
            "peak_phase": t["peak_phase"], "host_bytes": int(host), "budget_bytes": int(budget),
-           "notes": notes}
+           "disk_bytes": int(disk_bytes), "phase_peaks": phase_peaks, "notes": notes}
     if profile is not None:
         out["overheads"] = {k: v.nbytes for k, v in terms.items()}
         out["overhead_terms"] = {k: v.as_dict() for k, v in terms.items()}
@@ -86,12 +100,83 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     resources = {"device": {"need": int(peak) + extra, "budget": int(budget), "uncertainty": uncertainty}}
     if profile is not None and host:
         resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
+    if profile is not None:  # the model is built in fp32 on the GPU before any technique shrinks it
+        build = _build_bytes(model_fn, plan, t["params"])
+        if build:
+            fixed = sum(v.nbytes for v in terms.values() if not v.scales)
+            out["build_bytes"] = build
+            resources["build"] = {"need": build + fixed, "budget": int(budget), "uncertainty": uncertainty}
+            notes.append(f"build: colabkit builds the model in fp32 on the GPU ({fmt_bytes(build)}) before "
+                         f"{'quantizing it' if 'qlora' in plan else 'the plan shrinks it'}; judged as its own resource")
+    if disk_bytes:
+        free = profile.get("disk_bytes") if profile is not None else shutil.disk_usage(offload_dir()).free
+        resources["disk"] = {"need": int(disk_bytes), "budget": int(free or 0),
+                             "uncertainty": 0}
     out.update(verdict(resources))
+    if isinstance(model_fn, str) and (note := preset_vs_hub(model_fn)):
+        notes.append(note)
     if cfg is not None and hasattr(cfg, "n_layer"):
         a = analytic(cfg, plan, batch, seq, t["trainable_params"])
         a["error_vs_trace"] = (a["total"] - peak) / peak
         out["analytic"] = a
     return out
+
+
+# GPT presets named after hub models: what differs from the model the name suggests (issue 19).
+PRESET_HUB = {"gpt2-124m": "gpt2", "gpt2-350m": "gpt2-medium", "gpt2-774m": "gpt2-large", "gpt2-1.5b": "gpt2-xl"}
+
+
+def preset_vs_hub(name: str) -> str | None:
+    """How a ``gpt2-*`` preset differs from the hub model its name suggests (dropout, vocabulary, context).
+
+    >>> "dropout" in preset_vs_hub("gpt2-124m")
+    True
+    """
+    if name not in PRESET_HUB:
+        return None
+    try:
+        hub = hub_config(PRESET_HUB[name])
+    except (ImportError, OSError):
+        return None
+    cfg = gpt_config(name)
+    diffs = []
+    hub_drop = max(hub.resid_pdrop, hub.embd_pdrop, hub.attn_pdrop)
+    if cfg.dropout != hub_drop:
+        diffs.append(f"dropout {cfg.dropout:g} (the hub model trains with {hub_drop:g}: a T4 keeps dropout masks for "
+                     f"the residual and MLP dropouts; its attention kernel keeps none)")
+    if cfg.vocab_size != hub.vocab_size:
+        diffs.append(f"vocabulary {cfg.vocab_size} vs {hub.vocab_size}")
+    if cfg.block_size != hub.n_positions:
+        diffs.append(f"context {cfg.block_size} vs {hub.n_positions}")
+    if not diffs:
+        return None
+    return f"preset {name} vs hf:{PRESET_HUB[name]}: " + "; ".join(diffs) + f" -- estimate hf:{PRESET_HUB[name]} for the hub model"
+
+
+def _disk_split(t: dict[str, Any], notes: list[str]) -> int:
+    """``offload:disk``: the traced AdamW state goes to the state file; RAM (and, per chunk, the GPU) keeps
+    :class:`~colabkit.techniques.disk_offload.DiskAdamW`'s two chunk buffers. Returns the file's bytes."""
+    shapes = t["trainable_shapes"]
+    n = sum(math.prod(s) for s in shapes)
+    biggest = min(CHUNK_ELEMS, max((math.prod(s) for s in shapes), default=0))
+    buffers = 2 * 2 * 4 * biggest  # two buffers of (exp_avg, exp_avg_sq) chunks, fp32
+    for d in [t["breakdown"], t["at_peak"]] + [v[k] for v in t["phase_peaks"].values() for k in ("own", "at_peak")]:
+        d["optimizer"] = min(d["optimizer"], buffers)
+    for v in t["phase_peaks"].values():
+        v["peak"] = sum(v["at_peak"].values())
+    t["peak_bytes"] = sum(t["at_peak"].values())
+    file_bytes = disk_state_bytes(n)
+    notes.append(f"offload:disk: AdamW state in a memory-mapped file ({fmt_bytes(file_bytes)}, 8 B/param); "
+                 f"RAM keeps two chunk buffers ({fmt_bytes(buffers)})")
+    return file_bytes
+
+
+def _build_bytes(model_fn: Any, plan: Plan, params: int) -> int:
+    """Device bytes of the model as colabkit builds it for ``plan`` before applying it: fp32 on the GPU,
+    except ``qlora`` with an ``hf:<id>`` model, which loads straight into 4-bit."""
+    if "qlora" in plan and isinstance(model_fn, str) and model_fn.startswith("hf:"):
+        return 0
+    return 4 * params
 
 
 VERDICTS = ("fits", "tight", "does not fit")

@@ -13,14 +13,15 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
-from ..models import build_model, count_params
+from ..models import build_model, count_params, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
-from ..techniques.lora import nf4_bytes
+from ..techniques.lora import SKIP as _QLORA_SKIP, nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
 
@@ -115,14 +116,49 @@ def check_as_gpu(plan: Plan) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _attention_as(profile: dict | None, plan: Plan, notes: list[str]):
+    """On a GPU profile, SDPA keeps what that GPU's kernel keeps. A T4 runs the memory-efficient kernel,
+    dropout included (it stores the RNG seed, not a mask): output + log-sum-exp, no S x S matrix. The CPU
+    falls back to the math kernel whenever dropout > 0 and keeps the S x S probabilities and mask, so the
+    trace calls the CPU's fused kernel (same memory as the GPU's efficient one) with dropout 0.
+    ``attention:math`` is traced as math, as the GPU would run it."""
+    if profile is None or plan.get("attention") == "math":
+        if profile is not None:
+            notes.append("attention: math kernel (forced by attention:math): S x S scores and probabilities kept")
+        yield
+        return
+    real = F.scaled_dot_product_attention
+    seen: list[float] = []
+
+    def sdpa(*args, **kwargs):
+        seen.append(float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) or 0.0))
+        kwargs["dropout_p"] = 0.0
+        return real(*args[:4], **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+        if seen:
+            kernel = "flash" if "flash" in profile.get("sdpa", ()) and plan.get("attention") == "flash" else "memory-efficient"
+            notes.append(f"attention: the {profile['name']}'s {kernel} kernel, traced as such"
+                         + (f" (dropout {max(seen):g} included; a CPU would fall back to the math kernel and keep "
+                            "S x S matrices)" if max(seen) > 0 else ""))
+
+
 def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.Module:
-    model = build_model(model_fn, seq=seq) if isinstance(model_fn, str) else model_fn()
+    if isinstance(model_fn, str) and model_fn.startswith("hf:"):
+        model = hf_from_config(model_fn[3:], seq)  # shapes only: a shipped or cached config, never weights
+    else:
+        model = build_model(model_fn, seq=seq) if isinstance(model_fn, str) else model_fn()
     model._colabkit_placed = True  # built where it runs: .to() would try to swap fake parameters
     return model
 
 
 def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch: int, seq: int, steps: int = 2,
-          alloc_round: int = 1) -> dict[str, Any]:
+          alloc_round: int = 1, profile: dict | None = None, notes: list[str] | None = None) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of the real Trainer on fake tensors under a tracker; its report.
 
     >>> trace("gpt-tiny", "baseline", 2, 16)["breakdown"]["grads"] > 0
@@ -130,7 +166,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     """
     plan = Plan.parse(plan)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
-    with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
+    notes = [] if notes is None else notes
+    with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data(), _attention_as(profile, plan, notes):
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
         with tracker:
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
@@ -140,8 +177,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             uses: dict[int, int] = {}
             for _, p in trainer.model.named_parameters(remove_duplicate=False):
                 uses[id(p)] = uses.get(id(p), 0) + 1
-            linear = {id(m.weight) for m in trainer.model.modules() if type(m) is torch.nn.Linear
-                      and uses.get(id(m.weight)) == 1}  # what qlora quantizes: untied nn.Linear weights
+            out_emb = getattr(trainer.model, "get_output_embeddings", lambda: None)()
+            linear = {id(m.weight) for n, m in trainer.model.named_modules() if type(m) is torch.nn.Linear
+                      and uses.get(id(m.weight)) == 1 and m is not out_emb
+                      and n.rsplit(".", 1)[-1] not in _QLORA_SKIP}  # what qlora quantizes: untied Linear, not the head
             frozen16 = [(p.numel(), id(p) in linear) for p in trainer.model.parameters()
                         if not p.requires_grad and p.element_size() == 2]
             tracker.reset_peaks()
@@ -152,30 +191,44 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
-            "peak_phase": r["peak_phase"], "params": params, "trainable_params": trainable,
+            "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "frozen16": frozen16, "config": cfg}
 
 
+def _shift(t: dict[str, Any], category: str, delta: int) -> None:
+    """Add ``delta`` bytes that live through the whole step (a substituted weight or optimizer state) to
+    ``category`` everywhere a trace reports it: own peaks, the peak's composition, every phase's peak."""
+    t["breakdown"][category] += delta
+    t["at_peak"][category] += delta
+    t["peak_bytes"] += delta
+    for pp in t["phase_peaks"].values():
+        pp["peak"] += delta
+        pp["at_peak"][category] += delta
+        pp["own"][category] += delta
+
+
 def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int,
-                            notes: list[str]) -> dict[str, Any]:
+                           notes: list[str], profile: dict | None = None) -> dict[str, Any]:
     """Trace the plan; if its optimizer cannot run on fake tensors, trace with a stateless SGD in its
-    place and add the optimizer's state from its formula (``state_bytes_per_param``)."""
+    place and add the optimizer's state from its formula (``state_bytes_per_param``); qlora is traced as
+    lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU)."""
     try:
-        return trace(model_fn, plan, batch, seq, steps, alloc_round)
+        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
     except PlanError:
         raise
     except Exception as err:  # noqa: BLE001  (a kernel that reads data pointers, e.g. through ctypes)
         if "qlora" in plan:  # bitsandbytes' Params4bit cannot wrap a fake tensor: trace lora, swap the base
             stand_in = Plan.parse(["lora" + t[len("qlora"):] if t.startswith("qlora") else t for t in plan.tokens])
-            t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes)
-            # qlora: linear weights in NF4, every other frozen tensor stays fp32 (lora's stand-in: all 16-bit)
-            saved = sum(2 * n - nf4_bytes(n) if q else -2 * n for n, q in t["frozen16"])
-            for d in (t["breakdown"], t["at_peak"]):
-                d["params"] -= saved
-            t["peak_bytes"] -= saved
-            notes.append(f"qlora: traced as lora (16-bit base); the base's {sum(q for _, q in t['frozen16'])} linear weights "
-                         f"counted as NF4 (nf4_bytes), the rest of the frozen base as fp32 ({-saved:+,} B); "
-                         "bitsandbytes cannot quantize fake tensors")
+            t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile)
+            # lora's stand-in keeps the whole base in 16 bits. qlora's linear weights are NF4; the rest of the
+            # frozen base (embeddings, lm_head, norms) is in the compute dtype: fp16 on a GPU, fp32 on a CPU.
+            rest = 2 if profile is not None else 4
+            delta = sum(nf4_bytes(n) - 2 * n if q else (rest - 2) * n for n, q in t["frozen16"])
+            _shift(t, "params", delta)
+            dtype = "fp16" if rest == 2 else "fp32"
+            notes.append(f"qlora dtypes (as the run stores them): {sum(q for _, q in t['frozen16'])} linear weights NF4; "
+                         f"embeddings {dtype}, lm_head {dtype} (never quantized), norms {dtype} "
+                         f"({delta:+,} B against the 16-bit stand-in; bitsandbytes cannot quantize fake tensors)")
             return t
         opt = plan.optimizer_token
         if plan.optimizer == "sgd":
@@ -183,11 +236,9 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         stand_in = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
                                for t in plan.tokens] if opt != "adamw" or "adamw" in plan.tokens
                               else list(plan.tokens) + ["sgd"])
-        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round)
+        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes)
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
-        t["breakdown"]["optimizer"] += state
-        t["at_peak"]["optimizer"] += state
-        t["peak_bytes"] += state
+        _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "
                      f"{fmt_bytes(state)} comes from state_bytes_per_param")
         return t
