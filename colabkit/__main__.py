@@ -83,7 +83,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --checkpoint-dir")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest N)")
+    p.add_argument("--on-oom", default="stop", choices=["stop", "shrink"],
+                   help="on out-of-memory: halve the micro-batch and retry (shrink), or checkpoint and stop")
 
 
 @subcommand("train", "a real training run with checkpoints and exact resume", _train_args,
@@ -97,8 +100,10 @@ def _train(args: argparse.Namespace) -> dict:
         emulate_t4()
     out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty())
-    return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"]}
+                checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),
+                keep=args.keep, on_oom=args.on_oom)
+    return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"],
+            "accum": out["accum"], "oom_shrinks": out["oom_shrinks"], "resumed_from": out["resumed_from"]}
 
 
 def main(argv: list[str] | None = None) -> int:
