@@ -165,3 +165,36 @@ def test_save_peak_host_memory_is_small(tmp_path):
     assert r["size"] > 1.5e9  # ~151M params x (4 + 8) bytes
     assert r["delta"] <= 0.10 * r["size"]
     assert r["old_delta"] >= 0.8 * r["size"]
+
+
+def test_drive_dir_local(tmp_path, monkeypatch, capsys):
+    from colabkit.drive import drive_dir
+
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.chdir(tmp_path)
+    d = drive_dir("runs/local")
+    assert d == str(tmp_path / "runs" / "local") and os.path.isdir(d)
+    assert "in a local folder: not in Colab" in capsys.readouterr().out
+
+
+def test_drive_dir_colab_mounts_once(tmp_path, monkeypatch, capsys):
+    import types
+
+    import colabkit.drive
+
+    calls = []
+
+    def mount(where):  # google.colab.drive.mount makes <where>/MyDrive appear
+        calls.append(where)
+        os.makedirs(os.path.join(where, "MyDrive"))
+
+    fake = types.ModuleType("google.colab")
+    fake.drive = types.SimpleNamespace(mount=mount)
+    monkeypatch.setitem(sys.modules, "google.colab", fake)
+    monkeypatch.setattr(colabkit.drive, "MOUNT_POINT", str(tmp_path / "drive"))
+    d = colabkit.drive.drive_dir("runs/r1")
+    assert calls == [str(tmp_path / "drive")]
+    assert d == str(tmp_path / "drive" / "MyDrive" / "runs" / "r1") and os.path.isdir(d)
+    assert "on Google Drive" in capsys.readouterr().out
+    colabkit.drive.drive_dir("runs/r2")  # already mounted: no second mount
+    assert len(calls) == 1
