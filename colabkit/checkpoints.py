@@ -308,14 +308,20 @@ def save_trainer(trainer: Any, directory: str, keep: int = 3, run: dict[str, Any
     return write_checkpoint(trainer_state(trainer, run), directory, trainer.step_count, keep=keep)
 
 
+def require_folder(directory: str) -> None:
+    """Raise :class:`CheckpointError` when the resume folder does not exist."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"resume folder {directory!r} does not exist: check the path (on Colab, is "
+                              "Drive mounted? colabkit.drive_dir) or start without resume")
+
+
 def load_trainer(trainer: Any, directory: str, run: dict[str, Any] | None = None, required: bool = True) -> str | None:
     """Restore the newest valid checkpoint of ``directory`` into ``trainer``; returns its path.
 
     ``required``: a missing folder or no valid checkpoint raises :class:`CheckpointError` (else None)."""
     if not os.path.isdir(directory):
         if required:
-            raise CheckpointError(f"resume folder {directory!r} does not exist: check the path (on Colab, is "
-                                  "Drive mounted? colabkit.drive_dir) or start without resume")
+            require_folder(directory)
         return None
     remove_temp_files(directory)
     state, path, skipped = read_latest(directory)
@@ -334,9 +340,4 @@ def load_trainer(trainer: Any, directory: str, run: dict[str, Any] | None = None
     trainer.step_count = state["step"]
     trainer.accum = state.get("accum", trainer.accum)  # runtime micro-batching (an OOM shrink) carries over
     return path
-
-
-def newest_step(directory: str) -> int | None:
-    c = list_checkpoints(directory)
-    return c[-1][0] if c else None
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
-from .checkpoints import CheckpointError, load_trainer, save_trainer
+from .checkpoints import load_trainer, require_folder, save_trainer
 from .memory import MemoryTracker, fmt_bytes
 from .models import count_params
 from .oom import free_after_oom, is_oom, oom_guard, suggest_plan
@@ -73,9 +73,8 @@ def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop"
         raise ValueError(f"checkpoint_every must be >= 0 (0: only at the end), got {checkpoint_every}")
     if resume and not checkpoint_dir:
         raise ValueError("resume needs checkpoint_dir (the folder the checkpoints were written to)")
-    if resume is True and checkpoint_dir and not os.path.isdir(checkpoint_dir):
-        raise CheckpointError(f"resume folder {checkpoint_dir!r} does not exist: check the path (on Colab, is "
-                              "Drive mounted? colabkit.drive_dir) or start without resume")
+    if resume is True and checkpoint_dir:
+        require_folder(checkpoint_dir)
 
 
 def _check_model(model: torch.nn.Module, seq: int) -> None:
