@@ -280,7 +280,7 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
                 diffs.append(f"{k}: checkpoint {saved[k]!r}, this run {current[k]!r}")
     if diffs:
         raise PlanError("the checkpoint was written by a different run — " + "; ".join(diffs)
-                        + ". Resume with the same settings, or use a fresh checkpoint folder")
+                        + ". Resume with the same plan, model and data settings (batch, seq, seed), or use a fresh checkpoint folder")
 
 
 def _version() -> str:
