@@ -28,6 +28,8 @@ from .techniques.precision import autocast
 from .demos import fp16_overflow_demo
 from .estimate import calibrate, estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
 from .oom import OutOfMemoryWithAdvice, oom_guard
+from .checkpoints import CheckpointError, list_checkpoints
+from .drive import drive_dir
 from .techniques.checkpoint import checkpoint_blocks, saved_bytes
 from .techniques.accumulation import micro_batch_sizes, window_loss
 from .techniques.compress import int8_saved_tensors

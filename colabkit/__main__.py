@@ -83,7 +83,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --checkpoint-dir")
+    p.add_argument("--no-track", action="store_true", help="no memory tracker (faster on the CPU; no OOM post-mortem)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest N)")
+    p.add_argument("--on-oom", default="stop", choices=["stop", "shrink"],
+                   help="on out-of-memory: halve the micro-batch and retry (shrink), or checkpoint and stop")
     p.add_argument("--log", default=None, help="tensorboard, wandb and/or csv (comma-separated): memory per step")
     p.add_argument("--log-dir", default=None, help="where --log writes (default runs/colabkit)")
 
@@ -100,8 +104,10 @@ def _train(args: argparse.Namespace) -> dict:
     out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),
+                keep=args.keep, on_oom=args.on_oom, track=not args.no_track,
                 log=args.log, log_dir=args.log_dir)
-    return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"]}
+    return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"],
+            "accum": out["accum"], "oom_shrinks": out["oom_shrinks"], "resumed_from": out["resumed_from"]}
 
 
 def main(argv: list[str] | None = None) -> int:

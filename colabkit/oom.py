@@ -66,6 +66,41 @@ def register_suggester(fn: Callable[..., dict[str, Any] | None] | None) -> None:
     _SUGGESTER = fn
 
 
+# The RuntimeError forms an out-of-memory takes besides torch.OutOfMemoryError (the same strings
+# accelerate.utils.memory.should_reduce_batch_size matches).
+OOM_MESSAGES = (" out of memory", "CUDA out of memory", "DefaultCPUAllocator: can't allocate memory",
+                "MPS backend out of memory")
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and the RuntimeError forms of an out-of-memory.
+
+    >>> is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")), is_oom(ValueError("x"))
+    (True, False)
+    """
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
+
+
+def free_after_oom(trainer: Any = None, err: BaseException | None = None) -> None:
+    """Free what a failed step held: its frames' locals (activations), gradients, cached blocks."""
+    if err is not None:
+        traceback.clear_frames(err.__traceback__)
+    if trainer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def suggest_plan(model: Any, batch: int, seq: int, **kw: Any) -> dict[str, Any] | None:
+    """The registered planner's cheapest plan that fits (None without a planner or when none fits)."""
+    if _SUGGESTER is None or model is None:
+        return None
+    return _SUGGESTER(model, batch, seq, **kw)
+
+
 @contextlib.contextmanager
 def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, batch: int | None = None,
               seq: int | None = None, plan: str | None = None, trainer: Any = None, gpu: str | None = "t4",
@@ -86,8 +121,8 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
         try:
             yield pm
             return
-        except torch.OutOfMemoryError as err:
-            if isinstance(err, OutOfMemoryWithAdvice):
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if isinstance(err, OutOfMemoryWithAdvice) or not is_oom(err):
                 raise
             error = str(err).splitlines()[0] if str(err) else "out of memory"
             at_oom = tr.current()  # while the failed step's frames (and their tensors) are still alive
@@ -98,19 +133,15 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
             traceback.clear_frames(err.__traceback__)
             del err
         # free: gradients of the failed step, the exception's frames, the allocator's cached blocks
-        if trainer is not None:
-            trainer.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_after_oom(trainer)
         freed = sum(at_oom.values()) - sum(tr.current().values())
         pm.caught = True
         pm.report = {"error": error, "at_oom": at_oom, "largest": max(at_oom, key=at_oom.get),
                      "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None}
     if model is not None and batch and seq and _SUGGESTER is not None:
         try:
-            pm.report["suggestion"] = _SUGGESTER(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
-                                                 candidates=candidates)
+            pm.report["suggestion"] = suggest_plan(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
+                                                   candidates=candidates)
             if pm.report["suggestion"] is None:
                 pm.report["suggestion_error"] = "no candidate plan fits: use a smaller batch, sequence or model"
         except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)

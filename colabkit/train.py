@@ -10,50 +10,124 @@ guard around :class:`~colabkit.trainer.Trainer` steps; :func:`measure` returns o
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .data import TextData
+from .checkpoints import load_trainer, require_folder, save_trainer
 from .logs import make_loggers
-from .memory import MemoryTracker
+from .memory import MemoryTracker, fmt_bytes
 from .models import count_params
-from .oom import oom_guard
+from .oom import free_after_oom, is_oom, oom_guard, suggest_plan
 from .plan import Plan, PlanError
 from .trainer import ModelFn, Trainer, _device, load_model, weights_sha256
 
-__all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "Trainer", "load_model", "weights_sha256"]
+__all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "check_run", "Trainer", "load_model", "weights_sha256"]
 
 
-CKPT_NAME = "colabkit-checkpoint.pt"
+def save_checkpoint(trainer: Trainer, directory: str, keep: int = 3, run: dict[str, Any] | None = None) -> str:
+    """Write the trainer's full state to ``directory`` (streamed tensor by tensor, atomic, the last
+    ``keep`` kept): see :mod:`colabkit.checkpoints`."""
+    return save_trainer(trainer, directory, keep=keep, run=run)
 
 
-def save_checkpoint(trainer: Trainer, directory: str) -> str:
-    """Write the trainer's state atomically (temp file + rename): a disconnect mid-write never
-    leaves a broken checkpoint behind, and the previous one stays until the new one is complete."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, CKPT_NAME)
-    buf = io.BytesIO()
-    torch.save(trainer.state_dict(), buf)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+def load_checkpoint(trainer: Trainer, directory: str, run: dict[str, Any] | None = None) -> bool:
+    """Restore the newest valid checkpoint in ``directory`` into ``trainer``; False if there is none
+    (a damaged newest one is skipped with a warning)."""
+    path = load_trainer(trainer, directory, run=run, required=False)
+    return path is not None
 
 
-def load_checkpoint(trainer: Trainer, directory: str) -> bool:
-    """Restore the latest checkpoint in ``directory`` into ``trainer``; False if there is none."""
-    path = os.path.join(directory, CKPT_NAME)
-    if not os.path.exists(path):
-        return False
-    trainer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
-    return True
+def _context_length(model: torch.nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for k in ("block_size", "n_positions", "max_position_embeddings"):
+        v = getattr(cfg, k, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop",
+              checkpoint_every: int = 0, resume: bool | str = False, checkpoint_dir: str | None = None) -> None:
+    """Refuse bad run settings before anything is built, saying what to do.
+
+    >>> check_run(0, 16, 1, Plan.parse("baseline"))
+    Traceback (most recent call last):
+    ...
+    ValueError: batch must be a positive whole number of sequences per step, got 0
+    """
+    for name, v, what in (("batch", batch, "sequences per step"), ("seq", seq, "tokens per sequence"),
+                          ("steps", steps, "optimizer steps")):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive whole number of {what}, got {v!r}")
+    k = plan.get("accum", 1)
+    if batch % k:
+        raise PlanError(f"accum:{k} does not divide batch {batch}: micro-batches would differ in size; "
+                        f"use a batch that is a multiple of {k} (e.g. {k * max(1, batch // k)}) or accum:K with K dividing {batch}")
+    if on_oom not in ("stop", "shrink"):
+        raise ValueError(f"on_oom={on_oom!r}: use 'shrink' (halve the micro-batch and retry) or 'stop'")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0 (0: only at the end), got {checkpoint_every}")
+    if resume and not checkpoint_dir:
+        raise ValueError("resume needs checkpoint_dir (the folder the checkpoints were written to)")
+    if resume is True and checkpoint_dir:
+        require_folder(checkpoint_dir)
+
+
+def _check_model(model: torch.nn.Module, seq: int) -> None:
+    n = _context_length(model)
+    if n is not None and seq > n:
+        raise ValueError(f"seq {seq} is longer than the model's context ({n} positions): use seq <= {n}, "
+                         f"or build the model for it (e.g. build_model(name, seq={seq}))")
+
+
+def _alerts(tracker: MemoryTracker, sent: set, name: str | None, batch: int, seq: int, gpu: str | None,
+            host_limit: int) -> None:
+    """Warn once when the peak nears the budget (the tracker's alert) or host RAM nears ``host_limit``,
+    with the planner's cheapest plan that fits (through the hook :mod:`colabkit.oom` holds)."""
+    for kind, hit in (("device", bool(tracker.alerts)),
+                      ("host", (tracker.timeline[-1].get("host_rss") or 0) > 0.9 * host_limit if tracker.timeline else False)):
+        if not hit or kind in sent:
+            continue
+        sent.add(kind)
+        what = (f"peak memory is past {tracker.alert_at or 0.9:.0%} of the budget ({fmt_bytes(tracker.budget_bytes)})"
+                if kind == "device" else f"host RAM use is past 90% of {fmt_bytes(host_limit)} (Colab's limit)")
+        try:
+            s = suggest_plan(name, batch, seq, gpu=gpu, budget_bytes=tracker.budget_bytes)
+            tip = (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
+                   f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
+        except Exception as e:  # noqa: BLE001  (an alert must never stop training)
+            tip = f"no plan suggestion ({type(e).__name__}: {e})"
+        warnings.warn(f"colabkit: {what}; {tip}", ResourceWarning, stacklevel=3)
+
+
+def _step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, on_oom: str, shrinks: list[dict]) -> float:
+    """One optimizer step; with ``on_oom="shrink"`` an out-of-memory frees the failed step, halves the
+    micro-batch (doubling the accumulation: same effective batch, same normalisation by the window's
+    tokens) and retries the same data from the same RNG state. Other errors pass untouched."""
+    batch = x.shape[0]
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    while True:
+        try:
+            return trainer.step(x, y)
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            k = trainer.accum
+            if on_oom != "shrink" or not is_oom(err) or batch % (2 * k):
+                raise
+            free_after_oom(trainer, err)
+            del err
+            trainer.accum = 2 * k
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state_all(rng[1])
+            shrinks.append({"step": trainer.step_count, "micro_batch": batch // k, "to_micro_batch": batch // (2 * k),
+                            "accum": 2 * k})
+            print(f"colabkit: out of memory at step {trainer.step_count} with micro-batch {batch // k}; "
+                  f"retrying with micro-batch {batch // (2 * k)} x accum {2 * k} (effective batch {batch})")
 
 
 def _sync(device: torch.device) -> None:
@@ -77,9 +151,13 @@ def train(
     callbacks: Iterable[Callable[[dict], Any]] = (),
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
-    resume: bool = False,
+    resume: bool | str = False,
     progress: bool = True,
     eval_every: int = 0,
+    keep: int = 3,
+    on_oom: str = "stop",
+    budget_bytes: int | None = None,
+    host_limit_bytes: int = int(12.7e9),
     log: str | Iterable[str] | None = None,
     log_dir: str | None = None,
 ) -> dict[str, Any]:
@@ -88,8 +166,12 @@ def train(
 
     ``live_plot`` (a :class:`colabkit.plots.LivePlot`) is redrawn from the tracker's samples;
     callbacks get ``{"step", "loss", "step_time_s", "trainer"}`` after each step. With
-    ``checkpoint_dir`` and ``checkpoint_every`` a checkpoint is written every K steps;
-    ``resume=True`` continues from it, seeing the same batches an uninterrupted run would.
+    ``checkpoint_dir`` and ``checkpoint_every`` a checkpoint is written every K steps (the last
+    ``keep`` stay; :mod:`colabkit.checkpoints`); ``resume=True`` continues from the newest valid one
+    (the folder must hold one), ``resume="auto"`` from one if there is any; the same batches follow.
+    ``on_oom="shrink"`` halves the micro-batch on an out-of-memory and retries (same effective batch);
+    ``"stop"`` writes a checkpoint and the post-mortem. A warning names the planner's cheapest plan
+    once the peak nears ``budget_bytes`` or host RAM nears ``host_limit_bytes`` (Colab's 12.7 GB).
     ``log`` (``"tensorboard"``, ``"wandb"``, ``"csv"`` or a list) writes loss, step time and memory by
     category per step under ``log_dir`` (default ``runs/colabkit``; see :mod:`colabkit.logs`).
 
@@ -97,6 +179,8 @@ def train(
     >>> len(out["losses"]), out["step"]
     (2, 2)
     """
+    plan = Plan.parse(plan)
+    check_run(batch, seq, steps, plan, on_oom, checkpoint_every, resume, checkpoint_dir)
     dev = _device(device)
     data = data or TextData()
     torch.manual_seed(seed)
@@ -104,15 +188,21 @@ def train(
     on_sample = live_plot.update if live_plot is not None else None
     loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit")) if log else []
     callbacks = [*callbacks, *loggers]
-    tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track) if (track or live_plot) else None
+    tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track,
+                            budget_bytes=budget_bytes) if (track or live_plot) else None
     ctx = tracker if tracker is not None else contextlib.nullcontext()
-    losses, times, evals = [], [], []
+    losses, times, evals, shrinks, resumed, sent = [], [], [], [], None, set()
+    run = {"batch": batch, "seq": seq, "seed": seed}  # a resumed run must see the same data
+    gpu = "t4" if dev.type == "cuda" else None
     with ctx:
         if isinstance(model, str):
             model = load_model(model, plan, seq=seq, device=dev)
+        _check_model(model, seq)
         trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker)
-        if resume and checkpoint_dir and load_checkpoint(trainer, checkpoint_dir):
-            print(f"colabkit: resumed from step {trainer.step_count} in {checkpoint_dir}")
+        if resume and checkpoint_dir:
+            resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume is True)
+            if resumed:
+                print(f"colabkit: resumed from step {trainer.step_count} ({os.path.basename(resumed)} in {checkpoint_dir})")
         bar = range(trainer.step_count, steps)
         if progress:
             try:
@@ -127,14 +217,23 @@ def train(
                 tracker.set_step(step)
             _sync(dev)
             t0 = time.perf_counter()
-            # a CUDA OOM: freed, snapshot saved, categories shown, a plan that fits suggested (colabkit.oom)
-            with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
-                            gpu="t4" if dev.type == "cuda" else None) if tracker is not None else contextlib.nullcontext():
-                loss = trainer.step(x, y)
+            try:
+                # an OOM that shrinking cannot fix: freed, snapshot saved, categories shown, a plan that
+                # fits suggested (colabkit.oom); with checkpoints, the state before the step is saved
+                with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
+                               gpu=gpu) if tracker is not None else contextlib.nullcontext():
+                    loss = _step(trainer, x, y, on_oom, shrinks)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if checkpoint_dir and is_oom(e):
+                    print(f"colabkit: out of memory; state before step {trainer.step_count + 1} saved to "
+                          f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)}")
+                raise
             _sync(dev)
             dt = time.perf_counter() - t0
             losses.append(loss)
             times.append(dt)
+            if tracker is not None:
+                _alerts(tracker, sent, name, batch, seq, gpu, host_limit_bytes)
             if progress and hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss:.3f}")
             if eval_every and (step + 1) % eval_every == 0:
@@ -143,11 +242,11 @@ def train(
             for cb in callbacks:
                 cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
             if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                save_checkpoint(trainer, checkpoint_dir)
+                save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
     for lg in loggers:
         lg.close()
-    if checkpoint_dir and checkpoint_every and trainer.step_count % checkpoint_every:
-        save_checkpoint(trainer, checkpoint_dir)
+    if checkpoint_dir and (not checkpoint_every or trainer.step_count % checkpoint_every):
+        save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
     return {
         "plan": str(trainer.plan),
         "step": trainer.step_count,
@@ -155,6 +254,10 @@ def train(
         "losses": losses,
         "evals": evals,
         "step_times": times,
+        "accum": trainer.accum,
+        "micro_batch": batch // trainer.accum,
+        "oom_shrinks": shrinks,
+        "resumed_from": resumed,
         "report": tracker.report() if tracker is not None else None,
         "timeline": tracker.timeline if tracker is not None else [],
         "weights_sha256": weights_sha256(trainer.model),

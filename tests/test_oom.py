@@ -68,3 +68,95 @@ def test_guard_passes_through_without_oom():
     with pytest.raises(ValueError):  # other errors are not swallowed
         with oom_guard(verbose=False):
             raise ValueError("not an OOM")
+
+
+# ----- recovery by shrinking the micro-batch (train(..., on_oom="shrink")) --------------------------
+class _OOMAbove(torch.nn.Module):
+    """A GPT that raises an out-of-memory for any micro-batch larger than ``limit`` sequences, after
+    its forward (the activations are live), as a GPU too small for that micro-batch would."""
+
+    def __init__(self, limit: int, error=lambda: torch.OutOfMemoryError("CUDA out of memory (injected)")):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt, self.limit, self.error, self.sizes = build_model("gpt:2x64"), limit, error, []
+
+    @property
+    def config(self):
+        return self.gpt.config
+
+    def forward(self, x):
+        out = self.gpt(x)
+        self.sizes.append(x.shape[0])
+        if x.shape[0] > self.limit:
+            raise self.error()
+        return out
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("error", [lambda: torch.OutOfMemoryError("CUDA out of memory (injected)"),
+                                   lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                                                        "can't allocate memory: you tried to allocate 2147483648 bytes")],
+                         ids=["OutOfMemoryError", "DefaultCPUAllocator"])
+def test_shrink_recovers_with_same_weights(error, capsys):
+    kw = dict(steps=3, batch=8, seq=32, seed=1, device="cpu", progress=False)
+    model = _OOMAbove(limit=2, error=error)
+    out = train(model, on_oom="shrink", **kw)
+    assert [(s["micro_batch"], s["to_micro_batch"], s["accum"]) for s in out["oom_shrinks"]] == [(8, 4, 2), (4, 2, 4)]
+    assert out["accum"] == 4 and out["micro_batch"] == 2 and model.sizes[:3] == [8, 4, 2]
+    assert "retrying with micro-batch 2 x accum 4 (effective batch 8)" in capsys.readouterr().out
+    ref = train(_OOMAbove(limit=10**9), plan="accum:4", **kw)  # micro-batch 2 from the start
+    assert _max_diff(out["trainer"].model.state_dict(), ref["trainer"].model.state_dict()) <= 1e-6
+    assert out["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+    # negative control: halving the effective batch instead (what find_executable_batch_size does) changes them
+    half = train(_OOMAbove(limit=10**9), **{**kw, "batch": 4})
+    assert _max_diff(half["trainer"].model.state_dict(), ref["trainer"].model.state_dict()) > 1e-4
+
+
+def test_stop_writes_checkpoint_and_postmortem(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    with pytest.raises(OutOfMemoryWithAdvice):
+        train(_OOMAbove(limit=2), steps=2, batch=8, seq=32, device="cpu", progress=False,
+              checkpoint_dir=str(tmp_path / "ck"))
+    assert os.listdir(tmp_path / "ck") == ["ckpt-00000000.ckpt"]  # the state before the failed step
+
+
+def test_shrink_gives_up_at_one_sequence(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    with pytest.raises(OutOfMemoryWithAdvice) as info:
+        train(_OOMAbove(limit=0), steps=1, batch=4, seq=32, device="cpu", progress=False, on_oom="shrink")
+    assert "CUDA out of memory" in str(info.value)
+
+
+def test_other_errors_pass_untouched():
+    err = ValueError("not an OOM")
+    model = _OOMAbove(limit=0, error=lambda: err)
+    with pytest.raises(ValueError) as info:
+        train(model, steps=1, batch=4, seq=32, device="cpu", progress=False, on_oom="shrink")
+    assert info.value is err and model.sizes == [4]  # no retry
+    err = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError) as info:
+        train(_OOMAbove(limit=0, error=lambda: err), steps=1, batch=4, seq=32, device="cpu", progress=False,
+              on_oom="shrink")
+    assert info.value is err
+
+
+def test_memory_alerts_once_with_planner_suggestion(monkeypatch):
+    from functools import partial
+
+    import colabkit.oom
+    from colabkit.estimate.planner import suggest
+
+    # the real planner, asked about two candidates only to keep the test fast
+    monkeypatch.setattr(colabkit.oom, "_SUGGESTER", partial(suggest, candidates=["baseline", "checkpoint"]))
+    peak = train("gpt:2x64", steps=2, batch=8, seq=64, device="cpu", progress=False)["report"]["peak_bytes"]
+    with pytest.warns(ResourceWarning) as rec:
+        train("gpt:2x64", steps=3, batch=8, seq=64, device="cpu", progress=False, budget_bytes=int(peak * 0.8),
+              host_limit_bytes=1)
+    msgs = [str(w.message) for w in rec if "colabkit: " in str(w.message) and "plan" in str(w.message)]
+    device = [m for m in msgs if "of the budget" in m]
+    host = [m for m in msgs if "host RAM" in m]
+    assert len(device) == 1 and len(host) == 1, msgs  # once each, not every step
+    assert "cheapest plan that fits (planner): checkpoint" in device[0]

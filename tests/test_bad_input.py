@@ -1,0 +1,152 @@
+"""Every bad input gets a clear error before the first training step (the README's bad-input table):
+one row per case, each checking the message says what is wrong and what to do."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from colabkit.checkpoints import CheckpointError
+from colabkit.models import build_model
+from colabkit.plan import PlanError
+from colabkit.techniques import attention
+from colabkit.techniques.offload import host_ram_guard
+from colabkit.env import t4_rules
+from colabkit.train import train
+
+
+def _no_step(info):  # any completed step means the error came too late
+    raise AssertionError(f"training started (step {info['step']}) before the error")
+
+
+def _train(model="gpt:2x64", **kw):
+    args = dict(steps=2, batch=2, seq=16, device="cpu", progress=False, track=False, callbacks=[_no_step])
+    return train(model, **{**args, **kw})
+
+
+class _NoBlocks(torch.nn.Module):
+    """A causal LM without a list of transformer blocks (embedding -> linear head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256)
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+class _NoLinear(torch.nn.Module):
+    """A causal LM without a single nn.Linear (an embedding straight to logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 256)
+
+    def forward(self, x):
+        return self.emb(x)
+
+
+def test_bf16_on_t4():
+    with t4_rules(), pytest.raises(PlanError, match=r"bf16: .*T4 \(sm75\) has no native bf16.*use fp16"):
+        _train(plan="bf16")
+
+
+def test_flash_attention_on_t4(monkeypatch):
+    # a T4's facts (sm75; SDPA backends math + efficient), as torch reports them on one
+    monkeypatch.setattr(attention, "sdpa_backends", lambda dev: ["math", "efficient"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 5))
+    monkeypatch.setattr(attention, "emulating_t4", lambda: True)
+    why = attention.refusal("flash", "cuda")
+    assert why.startswith("attention:flash needs sm80+") and "(sm75)" in why and "use attention:efficient" in why
+
+
+def test_flash_attention_on_cpu():
+    with pytest.raises(PlanError, match="attention:flash: on the CPU only attention:math can be forced"):
+        _train(plan="attention:flash")
+
+
+def test_unknown_token():
+    with pytest.raises(PlanError, match=r"unknown plan token 'adamw9bit'.*Known tokens:"):
+        _train(plan="adamw9bit")
+
+
+def test_malformed_token():
+    with pytest.raises(PlanError, match=r"'accum:two': ':two' is not a positive whole number"):
+        _train(plan="accum:two")
+
+
+def test_conflicting_tokens():
+    with pytest.raises(PlanError, match=r"'adamw8bit' and 'adamw4bit' both choose the optimizer: keep one"):
+        _train(plan="adamw8bit+adamw4bit")
+
+
+def test_accum_not_dividing_batch():
+    with pytest.raises(PlanError, match=r"accum:3 does not divide batch 4.*multiple of 3"):
+        _train(plan="accum:3", batch=4)
+
+
+@pytest.mark.parametrize("name,value", [("batch", 0), ("seq", -1), ("steps", 0)])
+def test_non_positive_sizes(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be a positive whole number .*got {value}"):
+        _train(**{name: value})
+
+
+def test_sequence_longer_than_context():
+    model = build_model("gpt-tiny")  # 256 learned positions
+    assert model.config.block_size == 256
+    with pytest.raises(ValueError, match=r"seq 512 is longer than the model's context \(256 positions\): use seq <= 256"):
+        _train(model, seq=512)
+
+
+def test_offload_with_too_little_host_ram():
+    with pytest.raises(PlanError, match=r"offloading optimizer state needs 6.0 GiB of host RAM but only 6.0 GiB "
+                                        r"is available \(1.0 GiB kept in reserve\): offload less"):
+        host_ram_guard(6 << 30, "optimizer state", available=6 << 30)
+
+
+def test_offload_on_cpu_run():
+    with pytest.raises(PlanError, match="on a CPU run: there is nothing to offload to"):
+        _train(plan="offload:optimizer")
+
+
+def test_checkpointing_without_blocks():
+    with pytest.raises(PlanError, match=r"checkpoint: cannot find the transformer blocks of _NoBlocks; give the "
+                                        r"model a ModuleList of blocks"):
+        _train(_NoBlocks(), plan="checkpoint")
+
+
+def test_qlora_without_linear_layers():
+    with pytest.raises(PlanError, match=r"LoRA targets \['all'\] are not modules of this _NoLinear model"):
+        _train(_NoLinear(), plan="qlora:8")
+
+
+def test_missing_optional_dependency(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
+    with pytest.raises(PlanError, match=r"'adamw8bit' needs bitsandbytes, which is not installed: pip install bitsandbytes"):
+        _train(plan="adamw8bit")
+
+
+def test_resume_folder_missing(tmp_path):
+    with pytest.raises(CheckpointError, match=r"resume folder '.*nowhere' does not exist: check the path"):
+        _train(checkpoint_dir=str(tmp_path / "nowhere"), resume=True)
+
+
+def test_resume_folder_without_valid_checkpoint(tmp_path):
+    with open(tmp_path / "ckpt-00000005.ckpt", "wb") as f:
+        f.write(b"half a checkpoint")
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000005.ckpt"), \
+            pytest.raises(CheckpointError, match=r"no valid checkpoint in .*ckpt-00000005.ckpt: no end marker.*start without resume"):
+        _train(checkpoint_dir=str(tmp_path), resume=True)
+    assert os.listdir(tmp_path) == ["ckpt-00000005.ckpt"]
+
+
+def test_checkpoint_from_another_plan(tmp_path):
+    train("gpt:2x64", steps=1, batch=2, seq=16, device="cpu", progress=False, track=False, checkpoint_dir=str(tmp_path))
+    with pytest.raises(PlanError, match=r"different run — plan: checkpoint 'baseline', this run 'sgd'"):
+        _train(plan="sgd", checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_bad_on_oom():
+    with pytest.raises(ValueError, match=r"on_oom='retry': use 'shrink'"):
+        _train(on_oom="retry")
