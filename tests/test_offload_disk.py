@@ -11,6 +11,7 @@ import torch
 import colabkit
 from colabkit.plan import PlanError
 from colabkit.techniques.disk_offload import DiskAdamW
+from colabkit.train import CKPT_NAME
 
 
 def _mlp():
@@ -98,13 +99,25 @@ def test_state_file_removed_with_its_optimizer(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)   # (the bench figures are checked in test_adam_mini_galore.py)
 
 
-def test_resume_through_train(tmp_path, monkeypatch):
+@pytest.mark.parametrize("plan", ["offload:disk", "galore:16:2", "adam-mini"])
+def test_resume_through_train(tmp_path, monkeypatch, plan):
+    """Stop after 3 steps, resume to 6: the same weights as 6 uninterrupted steps (galore:16:2 recomputes
+    its projectors across the resume point). Control: the checkpoint without its optimizer state differs."""
     monkeypatch.setenv("COLABKIT_OFFLOAD_DIR", str(tmp_path / "state"))
-    kw = dict(model="gpt:2x64", plan="offload:disk", batch=4, seq=32, seed=3, progress=False, track=False)
+    kw = dict(model="gpt:2x64", plan=plan, batch=4, seq=32, seed=3, progress=False, track=False)
     full = colabkit.train(steps=6, **kw)
-    colabkit.train(steps=3, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, **kw)
-    resumed = colabkit.train(steps=6, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, resume=True, **kw)
+    ck = tmp_path / "ck"
+    colabkit.train(steps=3, checkpoint_dir=str(ck), checkpoint_every=3, **kw)
+    path = ck / CKPT_NAME
+    saved = torch.load(path, weights_only=False)
+    resumed = colabkit.train(steps=6, checkpoint_dir=str(ck), checkpoint_every=3, resume=True, **kw)
     assert resumed["weights_sha256"] == full["weights_sha256"]
+    saved["optimizer"]["state"] = {}                 # negative control: the moments are lost
+    torch.save(saved, path)
+    os.makedirs(tmp_path / "ck2")
+    os.replace(path, tmp_path / "ck2" / path.name)
+    lost = colabkit.train(steps=6, checkpoint_dir=str(tmp_path / "ck2"), resume=True, **kw)
+    assert lost["weights_sha256"] != full["weights_sha256"]
 
 
 @pytest.mark.parametrize("plan, words", [
