@@ -149,3 +149,14 @@ def test_issue16_bench(tmp_path, monkeypatch):
 def test_refusals(plan, words):
     with pytest.raises(colabkit.PlanError, match=words):
         colabkit.Plan.parse(plan).check(colabkit.Context(device=torch.device("cpu")))
+
+
+def test_galore_rank_above_every_matrix_warns_that_it_is_plain_adamw():
+    model = colabkit.build_model("gpt:2x64")                  # width 64: rank 64 projects nothing
+    with pytest.warns(UserWarning, match="projects no weight"):
+        colabkit.Trainer(model, "galore:64", device="cpu")
+    import warnings
+
+    with warnings.catch_warnings():                          # control: rank 32 projects, no warning
+        warnings.simplefilter("error")
+        colabkit.Trainer(colabkit.build_model("gpt:2x64"), "galore:32", device="cpu")
