@@ -122,9 +122,22 @@ _MAKERS: dict[str, Callable[[str], Logger]] = {"csv": CSVLogger, "tensorboard": 
 def make_loggers(log: str | Sequence[str] | None, directory: str) -> list[Logger]:
     """One logger per backend name (``"tensorboard"``, ``"wandb"``, ``"csv"``; a comma-separated string
     works too), all writing under ``directory``."""
-    names = [n.strip() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
+    names = [n.strip().lower() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
     bad = [n for n in names if n not in _MAKERS]
     if bad:
         raise ValueError(f"unknown log backend(s) {bad}: use {', '.join(BACKENDS)}")
-    os.makedirs(directory, exist_ok=True)
-    return [_MAKERS[n](directory) for n in names]
+    names = list(dict.fromkeys(names))  # "csv,csv" would open metrics.csv twice
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the log folder {directory!r} ({e.strerror or e}): pass a writable "
+                         "log_dir (--log-dir)") from None
+    made: list[Logger] = []
+    try:
+        for n in names:
+            made.append(_MAKERS[n](directory))
+    except BaseException:
+        for lg in made:  # a later backend failed (package missing): close the files already opened
+            lg.close()
+        raise
+    return made

@@ -82,3 +82,25 @@ def test_missing_package_and_unknown_backend(tmp_path, monkeypatch):
         make_loggers("tensorboard", str(tmp_path))
     with pytest.raises(ValueError, match="unknown log backend"):
         make_loggers("mlflow", str(tmp_path))
+
+
+def test_a_failing_backend_closes_the_ones_already_opened(tmp_path, monkeypatch):
+    import colabkit.logs as logs
+
+    opened = []
+    real = logs.CSVLogger
+
+    class Spy(real):
+        def __init__(self, directory):
+            super().__init__(directory)
+            opened.append(self)
+    monkeypatch.setitem(logs._MAKERS, "csv", Spy)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)   # tensorboard "not installed"
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        make_loggers("csv,tensorboard", str(tmp_path))
+    assert len(opened) == 1 and opened[0]._f.closed
+    ok = make_loggers("csv, CSV", str(tmp_path))        # control: alone it stays open, and only once
+    assert len(ok) == 1 and not ok[0]._f.closed
+    ok[0].close()
+    with pytest.raises(ValueError, match="--log-dir"):
+        make_loggers("csv", str(tmp_path / "metrics.csv" / "sub"))   # a folder inside a file
