@@ -176,6 +176,9 @@ def test_cli_meets_the_done_when_figures(tmp_path):
     assert r["storage_ratio"] <= 0.02 and r["recovery_error"] <= 1e-5 and r["matvec_error"] <= 1e-5
     assert r["matvec_time_ratio"] < 1
     assert main(["structured", "--n", "40", "--rank", "16"]) == 2  # too small for exact recovery: a clear error
+    assert main(["structured", "--n", "64", "--rank", "-3"]) == 2  # was a raw "negative dimension" traceback
+    with pytest.raises(ValueError, match="1 ≤ rank < N"):
+        SemiseparableMatrix.random(8, 8)
 
 
 def test_matvec_time_grows_linearly():

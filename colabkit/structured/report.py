@@ -45,6 +45,8 @@ def tracked_bytes(build: Callable[[], Any]) -> tuple[Any, int]:
 def structured_report(n: int = 2048, rank: int = 16, seed: int = 0, reps: int = 5) -> dict[str, Any]:
     """The CLI's record: build an exactly semiseparable fp32 matrix, recover it from its dense form,
     compare products and timings with dense. ``matvec_time_ratio`` = structured / dense seconds."""
+    if rank < 1:
+        raise ValueError(f"--rank {rank}: the low-rank part needs rank ≥ 1 (e.g. --rank 16)")
     if n < 4 * rank + 6:
         raise ValueError(f"--n {n} is too small for --rank {rank}: exact recovery needs N ≥ 4r + 6 = {4 * rank + 6}")
     S, tracked = tracked_bytes(lambda: SemiseparableMatrix.random(n, rank, seed=seed))
