@@ -177,6 +177,8 @@ def test_cli_meets_the_done_when_figures(tmp_path):
     assert r["matvec_time_ratio"] < 1
     assert main(["structured", "--n", "40", "--rank", "16"]) == 2  # too small for exact recovery: a clear error
     assert main(["structured", "--n", "64", "--rank", "-3"]) == 2  # was a raw "negative dimension" traceback
+    with pytest.raises(ValueError, match="rank ≥ 1"):
+        structured_gpt("gpt-tiny", rank=0)                          # was an IndexError deep in __init__
     with pytest.raises(ValueError, match="1 ≤ rank < N"):
         SemiseparableMatrix.random(8, 8)
 
