@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 from .memory import CATEGORIES
@@ -46,8 +47,15 @@ def step_metrics(event: dict[str, Any]) -> dict[str, float]:
 class Logger:
     """A callback for ``train(callbacks=[...])``: writes :func:`step_metrics` at every step."""
 
+    _warned = False
+
     def __call__(self, event: dict[str, Any]) -> None:
-        self.write(event["step"], step_metrics(event))
+        metrics = step_metrics(event)
+        if "memory/step_peak_bytes" not in metrics and not self._warned:
+            self._warned = True
+            warnings.warn(f"{type(self).__name__}: no memory figures to log (the run has no tracker), only loss and "
+                          "step time: leave train(track=True) on to log memory", stacklevel=2)
+        self.write(event["step"], metrics)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError

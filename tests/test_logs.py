@@ -104,3 +104,15 @@ def test_a_failing_backend_closes_the_ones_already_opened(tmp_path, monkeypatch)
     ok[0].close()
     with pytest.raises(ValueError, match="--log-dir"):
         make_loggers("csv", str(tmp_path / "metrics.csv" / "sub"))   # a folder inside a file
+
+
+def test_a_run_without_tracker_says_memory_is_not_logged(tmp_path):
+    with pytest.warns(UserWarning, match="no memory figures"):
+        colabkit.train("gpt:2x64", steps=2, batch=2, seq=16, progress=False, track=False, log="csv", log_dir=str(tmp_path))
+    assert list(csv.DictReader(open(tmp_path / "metrics.csv")))[0].keys() == {"step", "loss", "step_time_s"}
+    import warnings
+
+    with warnings.catch_warnings():                   # control: with the tracker, memory is logged, no warning
+        warnings.simplefilter("error")
+        colabkit.train("gpt:2x64", steps=1, batch=2, seq=16, progress=False, log="csv", log_dir=str(tmp_path))
+    assert "memory/step_peak_bytes" in list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
