@@ -112,7 +112,7 @@ class WandbLogger(Logger):
             raise ImportError('log="wandb" needs the wandb package: pip install wandb')
         import wandb
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+        logged_in = bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in(wandb)
         self.mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
         self.path = directory
         self._run = wandb.init(project=project, dir=directory, mode=self.mode, config=config or {})
@@ -122,6 +122,14 @@ class WandbLogger(Logger):
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _wandb_logged_in(wandb: Any) -> bool:
+    """Credentials present (settings file, .netrc), without prompting or asking the server."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))  # wandb >= 0.2x: False when no key, no prompt
+    except TypeError:  # older wandb without ``prompt=``: its (since deprecated) api object
+        return bool(getattr(getattr(wandb, "api", None), "api_key", None))
 
 
 _MAKERS: dict[str, Callable[[str], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}

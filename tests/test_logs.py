@@ -62,8 +62,11 @@ def test_wandb_offline_unless_logged_in(tmp_path, monkeypatch):
         def finish(self):
             calls.append("finish")
 
-    fake = types.SimpleNamespace(api=types.SimpleNamespace(api_key=None),
-                                 init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    def login(prompt=True, verify=False):   # wandb's signature: with prompt=False, False when no key is stored
+        assert prompt is False and verify is False   # never an interactive prompt or a server round trip
+        return False
+
+    fake = types.SimpleNamespace(login=login, init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else None)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -73,6 +76,9 @@ def test_wandb_offline_unless_logged_in(tmp_path, monkeypatch):
     lg.write(3, {"loss": 1.0}); lg.close()
     assert calls[1:] == [(3, {"loss": 1.0}), "finish"]
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert make_loggers("wandb", str(tmp_path))[0].mode == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    fake.login = lambda prompt=True, verify=False: True      # `wandb login` done earlier (.netrc)
     assert make_loggers("wandb", str(tmp_path))[0].mode == "online"
 
 
