@@ -89,7 +89,7 @@ class TensorBoardLogger(Logger):
     def __init__(self, directory: str):
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError('log="tensorboard" needs the tensorboard package: pip install tensorboard '
-                              '(or pip install -e ".[dev]")')
+                              '(or pip install "colabkit[logging]")')
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = directory

@@ -238,3 +238,12 @@ def test_default_temporary_folder_is_removed_with_the_optimizer(tmp_path, monkey
     opt = DiskAdamW(torch.nn.Linear(4, 4).parameters(), directory=str(mine))
     opt.close()
     assert os.listdir(tmp_path) == ["mine"]
+
+
+def test_a_group_added_later_is_refused_not_silently_frozen(tmp_path):
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = DiskAdamW(a.parameters(), directory=str(tmp_path))
+    with pytest.raises(NotImplementedError, match="pass every parameter group to the constructor"):
+        opt.add_param_group({"params": list(b.parameters())})
+    torch.optim.AdamW(a.parameters()).add_param_group({"params": list(b.parameters())})   # control: AdamW allows it
+    opt.close()

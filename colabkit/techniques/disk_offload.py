@@ -101,6 +101,12 @@ class DiskAdamW(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _release, self._pool, self._mm, self._file, self.path,
                                            self.directory if own_dir else None)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "chunks"):  # after __init__ the file layout is fixed: a new group would never be updated
+            raise NotImplementedError("DiskAdamW lays out its state file when it is created: pass every parameter "
+                                      "group to the constructor (e.g. unfreeze layers, then build the optimizer)")
+        super().add_param_group(param_group)
+
     # ----- file IO: the only code that touches the file ---------------------------------------
     def _view(self, k: int) -> torch.Tensor:
         """Chunk k's (2, n) moments, as a tensor over the mapped file (no copy)."""

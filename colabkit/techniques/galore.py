@@ -26,7 +26,7 @@ import torch
 from ..plan import Context, Plan, PlanError, Technique, register
 from .optimizers import STATE_FORMULAS
 
-INSTALL = 'pip install galore-torch   (or: pip install -e ".[dev]")'
+INSTALL = 'pip install galore-torch   (or: pip install "colabkit[optim]")'
 UPDATE_GAP = 200   # the paper's default projector update interval
 # The paper's alpha = 0.25 goes with a 10x larger learning rate than Adam's (0.01 vs 0.001); colabkit runs
 # every optimizer at the same lr, so alpha = 1 keeps GaLore's update the size of Adam's (measured: loss
