@@ -82,10 +82,11 @@ def test_adam_mini_state_is_the_first_moment_plus_one_value_per_block():
         tr.step(*colabkit.TextData().batch(2, 16, step=0))
     heads = model.config.n_head
     blocks = sum(blocks_of(n, p, heads).shape[0] for n, p in model.named_parameters())
-    n_bias = sum(p.numel() for n, p in model.named_parameters() if "bias" in n)
     expected = 4 * colabkit.count_params(model) + 4 * blocks   # m per element, v per block (biases: per element)
     assert tracker.report()["breakdown"]["optimizer"] == expected
-    assert n_bias == sum(1 for n, p in model.named_parameters() if "bias" in n for _ in range(p.numel()))
+    # negative control: one v per tensor (no head/neuron partition) would be a different byte count
+    per_tensor = sum(blocks_of(n, p, heads, per_head=False).shape[0] for n, p in model.named_parameters())
+    assert 4 * colabkit.count_params(model) + 4 * per_tensor != expected
 
 
 def test_galore_state_bytes_equal_the_formula():
