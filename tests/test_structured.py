@@ -166,7 +166,7 @@ def test_offloaded_factors_are_copied_in_per_product():
     assert mt.report()["peak_bytes"] >= off.host_bytes()  # the per-product copy is real memory
 
 
-def test_cli_meets_the_done_when_figures(tmp_path):
+def test_cli_meets_the_done_when_figures(tmp_path, monkeypatch):
     path = tmp_path / "s.json"
     assert main(["structured", "--n", "2048", "--rank", "16", "--reps", "3", "--json", str(path)]) == 0
     r = json.loads(path.read_text())
@@ -179,6 +179,10 @@ def test_cli_meets_the_done_when_figures(tmp_path):
     assert main(["structured", "--n", "64", "--rank", "-3"]) == 2  # was a raw "negative dimension" traceback
     with pytest.raises(ValueError, match="rank ≥ 1"):
         structured_gpt("gpt-tiny", rank=0)                          # was an IndexError deep in __init__
+    # a laptop with 1 GiB free: N=8192 needs 2 GiB of dense references -> a clear error, not the OOM killer
+    monkeypatch.setattr("colabkit.structured.report.host_ram", lambda: {"available": 2 ** 30})
+    assert main(["structured", "--n", "8192", "--rank", "16"]) == 2
+    assert main(["structured", "--n", "512", "--rank", "16", "--reps", "1"]) == 0   # control: small N still runs
     with pytest.raises(ValueError, match="1 ≤ rank < N"):
         SemiseparableMatrix.random(8, 8)
 
