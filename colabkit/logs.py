@@ -92,6 +92,9 @@ class TensorBoardLogger(Logger):
                               '(or pip install "colabkit[logging]")')
         from torch.utils.tensorboard import SummaryWriter
 
+        if any(f.startswith("events.out.tfevents.") for f in os.listdir(directory)):
+            warnings.warn(f"{directory!r} already holds a TensorBoard event file: TensorBoard shows both as one run "
+                          "and mixes their steps; use a fresh log_dir per run (fine when resuming that run)", stacklevel=3)
         self.path = directory
         self._w = SummaryWriter(log_dir=directory)
 

@@ -122,3 +122,17 @@ def test_a_run_without_tracker_says_memory_is_not_logged(tmp_path):
         warnings.simplefilter("error")
         colabkit.train("gpt:2x64", steps=1, batch=2, seq=16, progress=False, log="csv", log_dir=str(tmp_path))
     assert "memory/step_peak_bytes" in list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None and not os.environ.get("CI"),
+                    reason="tensorboard not installed (pip install -e '.[dev]')")
+def test_a_second_tensorboard_run_in_the_same_folder_warns(tmp_path):
+    """Re-running a cell with the same log_dir puts two event files in one TensorBoard run (their steps mix;
+    notebook 01's read-back failed that way): say so."""
+    import warnings
+
+    with warnings.catch_warnings():                   # control: the first run in a fresh folder is silent
+        warnings.simplefilter("error")
+        make_loggers("tensorboard", str(tmp_path))[0].close()
+    with pytest.warns(UserWarning, match="fresh log_dir per run"):
+        make_loggers("tensorboard", str(tmp_path))[0].close()
