@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 from .memory import CATEGORIES
@@ -46,8 +47,15 @@ def step_metrics(event: dict[str, Any]) -> dict[str, float]:
 class Logger:
     """A callback for ``train(callbacks=[...])``: writes :func:`step_metrics` at every step."""
 
+    _warned = False
+
     def __call__(self, event: dict[str, Any]) -> None:
-        self.write(event["step"], step_metrics(event))
+        metrics = step_metrics(event)
+        if "memory/step_peak_bytes" not in metrics and not self._warned:
+            self._warned = True
+            warnings.warn(f"{type(self).__name__}: no memory figures to log (the run has no tracker), only loss and "
+                          "step time: leave train(track=True) on to log memory", stacklevel=2)
+        self.write(event["step"], metrics)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
@@ -81,9 +89,12 @@ class TensorBoardLogger(Logger):
     def __init__(self, directory: str):
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError('log="tensorboard" needs the tensorboard package: pip install tensorboard '
-                              '(or pip install -e ".[dev]")')
+                              '(or pip install "colabkit[logging]")')
         from torch.utils.tensorboard import SummaryWriter
 
+        if any(f.startswith("events.out.tfevents.") for f in os.listdir(directory)):
+            warnings.warn(f"{directory!r} already holds a TensorBoard event file: TensorBoard shows both as one run "
+                          "and mixes their steps; use a fresh log_dir per run (fine when resuming that run)", stacklevel=3)
         self.path = directory
         self._w = SummaryWriter(log_dir=directory)
 
@@ -104,7 +115,7 @@ class WandbLogger(Logger):
             raise ImportError('log="wandb" needs the wandb package: pip install wandb')
         import wandb
 
-        logged_in = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+        logged_in = bool(os.environ.get("WANDB_API_KEY")) or _wandb_logged_in(wandb)
         self.mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
         self.path = directory
         self._run = wandb.init(project=project, dir=directory, mode=self.mode, config=config or {})
@@ -116,15 +127,36 @@ class WandbLogger(Logger):
         self._run.finish()
 
 
+def _wandb_logged_in(wandb: Any) -> bool:
+    """Credentials present (settings file, .netrc), without prompting or asking the server."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))  # wandb >= 0.2x: False when no key, no prompt
+    except TypeError:  # older wandb without ``prompt=``: its (since deprecated) api object
+        return bool(getattr(getattr(wandb, "api", None), "api_key", None))
+
+
 _MAKERS: dict[str, Callable[[str], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
 
 
 def make_loggers(log: str | Sequence[str] | None, directory: str) -> list[Logger]:
     """One logger per backend name (``"tensorboard"``, ``"wandb"``, ``"csv"``; a comma-separated string
     works too), all writing under ``directory``."""
-    names = [n.strip() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
+    names = [n.strip().lower() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
     bad = [n for n in names if n not in _MAKERS]
     if bad:
         raise ValueError(f"unknown log backend(s) {bad}: use {', '.join(BACKENDS)}")
-    os.makedirs(directory, exist_ok=True)
-    return [_MAKERS[n](directory) for n in names]
+    names = list(dict.fromkeys(names))  # "csv,csv" would open metrics.csv twice
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the log folder {directory!r} ({e.strerror or e}): pass a writable "
+                         "log_dir (--log-dir)") from None
+    made: list[Logger] = []
+    try:
+        for n in names:
+            made.append(_MAKERS[n](directory))
+    except BaseException:
+        for lg in made:  # a later backend failed (package missing): close the files already opened
+            lg.close()
+        raise
+    return made

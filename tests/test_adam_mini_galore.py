@@ -82,10 +82,11 @@ def test_adam_mini_state_is_the_first_moment_plus_one_value_per_block():
         tr.step(*colabkit.TextData().batch(2, 16, step=0))
     heads = model.config.n_head
     blocks = sum(blocks_of(n, p, heads).shape[0] for n, p in model.named_parameters())
-    n_bias = sum(p.numel() for n, p in model.named_parameters() if "bias" in n)
     expected = 4 * colabkit.count_params(model) + 4 * blocks   # m per element, v per block (biases: per element)
     assert tracker.report()["breakdown"]["optimizer"] == expected
-    assert n_bias == sum(1 for n, p in model.named_parameters() if "bias" in n for _ in range(p.numel()))
+    # negative control: one v per tensor (no head/neuron partition) would be a different byte count
+    per_tensor = sum(blocks_of(n, p, heads, per_head=False).shape[0] for n, p in model.named_parameters())
+    assert 4 * colabkit.count_params(model) + 4 * per_tensor != expected
 
 
 def test_galore_state_bytes_equal_the_formula():
@@ -149,3 +150,14 @@ def test_issue16_bench(tmp_path, monkeypatch):
 def test_refusals(plan, words):
     with pytest.raises(colabkit.PlanError, match=words):
         colabkit.Plan.parse(plan).check(colabkit.Context(device=torch.device("cpu")))
+
+
+def test_galore_rank_above_every_matrix_warns_that_it_is_plain_adamw():
+    model = colabkit.build_model("gpt:2x64")                  # width 64: rank 64 projects nothing
+    with pytest.warns(UserWarning, match="projects no weight"):
+        colabkit.Trainer(model, "galore:64", device="cpu")
+    import warnings
+
+    with warnings.catch_warnings():                          # control: rank 32 projects, no warning
+        warnings.simplefilter("error")
+        colabkit.Trainer(colabkit.build_model("gpt:2x64"), "galore:32", device="cpu")

@@ -62,8 +62,11 @@ def test_wandb_offline_unless_logged_in(tmp_path, monkeypatch):
         def finish(self):
             calls.append("finish")
 
-    fake = types.SimpleNamespace(api=types.SimpleNamespace(api_key=None),
-                                 init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
+    def login(prompt=True, verify=False):   # wandb's signature: with prompt=False, False when no key is stored
+        assert prompt is False and verify is False   # never an interactive prompt or a server round trip
+        return False
+
+    fake = types.SimpleNamespace(login=login, init=lambda **kw: calls.append(("init", kw["mode"])) or Run())
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else None)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -74,6 +77,9 @@ def test_wandb_offline_unless_logged_in(tmp_path, monkeypatch):
     assert calls[1:] == [(3, {"loss": 1.0}), "finish"]
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert make_loggers("wandb", str(tmp_path))[0].mode == "online"
+    monkeypatch.delenv("WANDB_API_KEY")
+    fake.login = lambda prompt=True, verify=False: True      # `wandb login` done earlier (.netrc)
+    assert make_loggers("wandb", str(tmp_path))[0].mode == "online"
 
 
 def test_missing_package_and_unknown_backend(tmp_path, monkeypatch):
@@ -82,3 +88,51 @@ def test_missing_package_and_unknown_backend(tmp_path, monkeypatch):
         make_loggers("tensorboard", str(tmp_path))
     with pytest.raises(ValueError, match="unknown log backend"):
         make_loggers("mlflow", str(tmp_path))
+
+
+def test_a_failing_backend_closes_the_ones_already_opened(tmp_path, monkeypatch):
+    import colabkit.logs as logs
+
+    opened = []
+    real = logs.CSVLogger
+
+    class Spy(real):
+        def __init__(self, directory):
+            super().__init__(directory)
+            opened.append(self)
+    monkeypatch.setitem(logs._MAKERS, "csv", Spy)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)   # tensorboard "not installed"
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        make_loggers("csv,tensorboard", str(tmp_path))
+    assert len(opened) == 1 and opened[0]._f.closed
+    ok = make_loggers("csv, CSV", str(tmp_path))        # control: alone it stays open, and only once
+    assert len(ok) == 1 and not ok[0]._f.closed
+    ok[0].close()
+    with pytest.raises(ValueError, match="--log-dir"):
+        make_loggers("csv", str(tmp_path / "metrics.csv" / "sub"))   # a folder inside a file
+
+
+def test_a_run_without_tracker_says_memory_is_not_logged(tmp_path):
+    with pytest.warns(UserWarning, match="no memory figures"):
+        colabkit.train("gpt:2x64", steps=2, batch=2, seq=16, progress=False, track=False, log="csv", log_dir=str(tmp_path))
+    assert list(csv.DictReader(open(tmp_path / "metrics.csv")))[0].keys() == {"step", "loss", "step_time_s"}
+    import warnings
+
+    with warnings.catch_warnings():                   # control: with the tracker, memory is logged, no warning
+        warnings.simplefilter("error")
+        colabkit.train("gpt:2x64", steps=1, batch=2, seq=16, progress=False, log="csv", log_dir=str(tmp_path))
+    assert "memory/step_peak_bytes" in list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None and not os.environ.get("CI"),
+                    reason="tensorboard not installed (pip install -e '.[dev]')")
+def test_a_second_tensorboard_run_in_the_same_folder_warns(tmp_path):
+    """Re-running a cell with the same log_dir puts two event files in one TensorBoard run (their steps mix;
+    notebook 01's read-back failed that way): say so."""
+    import warnings
+
+    with warnings.catch_warnings():                   # control: the first run in a fresh folder is silent
+        warnings.simplefilter("error")
+        make_loggers("tensorboard", str(tmp_path))[0].close()
+    with pytest.warns(UserWarning, match="fresh log_dir per run"):
+        make_loggers("tensorboard", str(tmp_path))[0].close()

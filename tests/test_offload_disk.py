@@ -11,6 +11,7 @@ import torch
 import colabkit
 from colabkit.plan import PlanError
 from colabkit.techniques.disk_offload import DiskAdamW
+from colabkit.train import CKPT_NAME
 
 
 def _mlp():
@@ -98,13 +99,25 @@ def test_state_file_removed_with_its_optimizer(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)   # (the bench figures are checked in test_adam_mini_galore.py)
 
 
-def test_resume_through_train(tmp_path, monkeypatch):
+@pytest.mark.parametrize("plan", ["offload:disk", "galore:16:2", "adam-mini"])
+def test_resume_through_train(tmp_path, monkeypatch, plan):
+    """Stop after 3 steps, resume to 6: the same weights as 6 uninterrupted steps (galore:16:2 recomputes
+    its projectors across the resume point). Control: the checkpoint without its optimizer state differs."""
     monkeypatch.setenv("COLABKIT_OFFLOAD_DIR", str(tmp_path / "state"))
-    kw = dict(model="gpt:2x64", plan="offload:disk", batch=4, seq=32, seed=3, progress=False, track=False)
+    kw = dict(model="gpt:2x64", plan=plan, batch=4, seq=32, seed=3, progress=False, track=False)
     full = colabkit.train(steps=6, **kw)
-    colabkit.train(steps=3, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, **kw)
-    resumed = colabkit.train(steps=6, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=3, resume=True, **kw)
+    ck = tmp_path / "ck"
+    colabkit.train(steps=3, checkpoint_dir=str(ck), checkpoint_every=3, **kw)
+    path = ck / CKPT_NAME
+    saved = torch.load(path, weights_only=False)
+    resumed = colabkit.train(steps=6, checkpoint_dir=str(ck), checkpoint_every=3, resume=True, **kw)
     assert resumed["weights_sha256"] == full["weights_sha256"]
+    saved["optimizer"]["state"] = {}                 # negative control: the moments are lost
+    torch.save(saved, path)
+    os.makedirs(tmp_path / "ck2")
+    os.replace(path, tmp_path / "ck2" / path.name)
+    lost = colabkit.train(steps=6, checkpoint_dir=str(tmp_path / "ck2"), resume=True, **kw)
+    assert lost["weights_sha256"] != full["weights_sha256"]
 
 
 @pytest.mark.parametrize("plan, words", [
@@ -117,3 +130,120 @@ def test_refused_combinations(plan, words):
 
     with pytest.raises(PlanError, match=words):   # as a T4 would refuse it (offload:optimizer needs a GPU)
         check_as_gpu(colabkit.Plan.parse(plan))
+
+
+def test_a_parameter_without_grad_is_skipped_like_torch_adamw(tmp_path):
+    """A parameter with no grad in a step (frozen for a while, unused branch) keeps its moments and its
+    step count, as in torch.optim.AdamW; the reference runs the same pattern."""
+    def run(model, opt):
+        g = torch.Generator().manual_seed(1)
+        for s in range(8):
+            model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
+            if s % 3 == 1:
+                model[2].bias.grad = None        # this step has no grad for the output bias
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+    ref_model, model, neg_model = _mlp(), _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(_groups(ref_model), lr=1e-2, foreach=False)
+    ref = run(ref_model, ref_opt)
+    opt = DiskAdamW(_groups(model), lr=1e-2, directory=str(tmp_path), chunk_elems=1000)
+    got = run(model, opt)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(ref, got))
+    steps = [float(sd["state"][3]["step"]) for sd in (opt.state_dict(), ref_opt.state_dict())]
+    assert steps == [5.0, 5.0]                      # index 3 = the output bias: 8 steps, 3 without grad
+    # negative control: counting the skipped steps anyway (Adam's bias correction) is detected
+    neg_opt = DiskAdamW(_groups(neg_model), lr=1e-2, directory=str(tmp_path), chunk_elems=1000)
+    orig = neg_opt.step
+
+    def step_counting_all():
+        orig()
+        neg_opt._steps[id(neg_model[2].bias)] = neg_opt._steps.get(id(neg_model[2].bias), 0) + (
+            neg_model[2].bias.grad is None)
+    neg_opt.step = step_counting_all
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(ref, run(neg_model, neg_opt)))
+
+
+def test_a_step_the_grad_scaler_skips_leaves_the_file_and_the_step_count(tmp_path):
+    """fp16 + offload:disk: on an inf gradient GradScaler skips optimizer.step(), so neither Adam's
+    step count nor a byte of the state file may change; a finite step changes both (the control)."""
+    import hashlib
+
+    model = _mlp()
+    opt = DiskAdamW(_groups(model), lr=1e-2, directory=str(tmp_path), chunk_elems=1000)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    digest = lambda: hashlib.sha256(open(opt.path, "rb").read()).hexdigest()   # noqa: E731
+    x = torch.randn(8, 32)
+
+    def step(scale_loss):
+        scaler.scale(model(x).pow(2).mean() * scale_loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    step(1.0)
+    before = (digest(), dict(opt._steps), [p.detach().clone() for p in model.parameters()])
+    step(float("inf"))                                   # overflow: skipped, scale halved
+    assert scaler.get_scale() == 2.0 ** 7
+    assert (digest(), dict(opt._steps)) == before[:2]
+    assert all(torch.equal(a, b) for a, b in zip(before[2], model.parameters()))
+    step(1.0)                                            # control: a finite step moves file and counts
+    assert digest() != before[0] and set(opt._steps.values()) == {2}
+
+
+def test_unusable_offload_dir_says_what_to_do(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("COLABKIT_OFFLOAD_DIR", str(blocker / "state"))   # a folder inside a file: cannot exist
+    with pytest.raises(PlanError, match="set COLABKIT_OFFLOAD_DIR to a writable folder"):
+        DiskAdamW(torch.nn.Linear(4, 4).parameters())
+    rec = colabkit.measure("gpt:2x64", "offload:disk", batch=2, seq=16, steps=1, device="cpu")
+    assert not rec["ok"] and "COLABKIT_OFFLOAD_DIR" in rec["error"]
+
+
+def test_a_full_disk_fails_at_construction_not_mid_step(tmp_path, monkeypatch):
+    """posix_fallocate reserves the file's blocks, so ENOSPC is a clear error when the optimizer is built
+    (a sparse mapped file would raise SIGBUS inside a step); a file system without fallocate still works."""
+    import errno
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this OS: the state file stays sparse")
+    model = _mlp()
+    opt = DiskAdamW(_groups(model), directory=str(tmp_path), chunk_elems=1000)
+    assert os.stat(opt.path).st_blocks * 512 >= opt.file_bytes      # reserved before any step
+    opt.close()
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(PlanError, match="No space left"):
+        DiskAdamW(_groups(model), directory=str(tmp_path))
+    assert not os.listdir(tmp_path)                                  # no half-made file left behind
+
+    def unsupported(fd, off, n):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)         # control: only ENOSPC is fatal
+    DiskAdamW(_groups(model), directory=str(tmp_path)).close()
+
+
+def test_default_temporary_folder_is_removed_with_the_optimizer(tmp_path, monkeypatch):
+    monkeypatch.delenv("COLABKIT_OFFLOAD_DIR", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    opt = DiskAdamW(torch.nn.Linear(4, 4).parameters())
+    assert os.path.dirname(opt.directory) == str(tmp_path) and os.path.exists(opt.path)
+    opt.close()
+    assert not os.listdir(tmp_path)
+    mine = tmp_path / "mine"                       # control: a folder the user named is left in place
+    opt = DiskAdamW(torch.nn.Linear(4, 4).parameters(), directory=str(mine))
+    opt.close()
+    assert os.listdir(tmp_path) == ["mine"]
+
+
+def test_a_group_added_later_is_refused_not_silently_frozen(tmp_path):
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = DiskAdamW(a.parameters(), directory=str(tmp_path))
+    with pytest.raises(NotImplementedError, match="pass every parameter group to the constructor"):
+        opt.add_param_group({"params": list(b.parameters())})
+    torch.optim.AdamW(a.parameters()).add_param_group({"params": list(b.parameters())})   # control: AdamW allows it
+    opt.close()

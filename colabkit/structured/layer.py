@@ -33,6 +33,8 @@ class SemiseparableMixing(nn.Module):
         super().__init__()
         if d % n_head:
             raise ValueError(f"width {d} is not divisible by {n_head} heads")
+        if rank < 1:
+            raise ValueError(f"rank {rank}: the mixing's low-rank part needs rank ≥ 1 (e.g. rank=8)")
         self.n, self.n_head, self.rank = n, n_head, rank
         self.value = nn.Linear(d, d, bias=bias)
         self.proj = nn.Linear(d, d, bias=bias)

@@ -127,6 +127,8 @@ class SemiseparableMatrix:
     def random(cls, n: int, rank: int, seed: int = 0, dtype: torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> "SemiseparableMatrix":
         """Gaussian tridiagonal and factors (U, V entries of variance 1/√r, so (UVᵀ)_ij has variance 1)."""
+        if n < 2 or not 1 <= rank < n:
+            raise ValueError(f"need N ≥ 2 and 1 ≤ rank < N, got N={n}, rank={rank}")
         g = torch.Generator().manual_seed(seed)
         t = [torch.randn(k, generator=g, dtype=dtype) for k in (n - 1, n, n - 1)]
         U, V = (torch.randn(n, rank, generator=g, dtype=dtype) / math.sqrt(math.sqrt(rank)) for _ in range(2))

@@ -14,9 +14,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..env import host_ram
 from ..memory import MemoryTracker, fmt_bytes
 from .hodlr import HODLRMatrix, hodlr_bytes
 from .matrix import SemiseparableMatrix, relative_error, storage_bytes
+
+DENSE_COPIES = 8  # fp32 dense-size tensors alive at once in structured_report (A, R's dense form, 2 float64 copies)
 
 
 def best_time(fn: Callable[[], Any], reps: int = 5, inner: int = 10) -> float:
@@ -45,8 +48,14 @@ def tracked_bytes(build: Callable[[], Any]) -> tuple[Any, int]:
 def structured_report(n: int = 2048, rank: int = 16, seed: int = 0, reps: int = 5) -> dict[str, Any]:
     """The CLI's record: build an exactly semiseparable fp32 matrix, recover it from its dense form,
     compare products and timings with dense. ``matvec_time_ratio`` = structured / dense seconds."""
+    if rank < 1:
+        raise ValueError(f"--rank {rank}: the low-rank part needs rank ≥ 1 (e.g. --rank 16)")
     if n < 4 * rank + 6:
         raise ValueError(f"--n {n} is too small for --rank {rank}: exact recovery needs N ≥ 4r + 6 = {4 * rank + 6}")
+    need, free = DENSE_COPIES * n * n * 4, host_ram().get("available")
+    if free and need > free:  # the dense reference, its recovery and float64 error temporaries: N² each
+        raise ValueError(f"--n {n} builds dense N×N references (~{fmt_bytes(need)}) but only {fmt_bytes(free)} of RAM "
+                         f"is free: use --n ≤ {int(math.sqrt(free / (DENSE_COPIES * 4)))}")
     S, tracked = tracked_bytes(lambda: SemiseparableMatrix.random(n, rank, seed=seed))
     A = S.to_dense()
     R = SemiseparableMatrix.from_dense(A, rank)

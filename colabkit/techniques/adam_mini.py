@@ -21,7 +21,7 @@ import torch
 from ..plan import Context, Plan, PlanError, Technique, register, flag
 from .optimizers import STATE_FORMULAS, state_bytes_per_param
 
-INSTALL = 'pip install adam-mini   (or: pip install -e ".[dev]")'
+INSTALL = 'pip install adam-mini   (or: pip install "colabkit[optim]")'
 
 
 def _shape(model: torch.nn.Module) -> tuple[int, int, int | None]:

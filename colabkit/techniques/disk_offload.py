@@ -21,6 +21,7 @@ flat slices of each parameter, so the weights equal ``torch.optim.AdamW``'s (tes
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
@@ -38,11 +39,23 @@ PAGE = mmap.PAGESIZE
 CHUNK_ELEMS = 1 << 16  # 64 Ki elements: 512 KiB of state per chunk (two fp32 moments)
 
 
-def offload_dir() -> str:
-    """Where offloaded state goes: ``$COLABKIT_OFFLOAD_DIR``, else a fresh temporary folder."""
-    d = os.environ.get("COLABKIT_OFFLOAD_DIR") or tempfile.mkdtemp(prefix="colabkit-offload-")
-    os.makedirs(d, exist_ok=True)
+def offload_dir(directory: str | None = None) -> str:
+    """Where offloaded state goes (created if missing): ``directory``, else ``$COLABKIT_OFFLOAD_DIR``,
+    else a fresh temporary folder (removed again when the optimizer that asked for it is closed)."""
+    d = directory or os.environ.get("COLABKIT_OFFLOAD_DIR")
+    if not d:
+        return tempfile.mkdtemp(prefix="colabkit-offload-")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise PlanError(_unusable(d, e)) from None
     return d
+
+
+def _unusable(directory: str, e: OSError) -> str:
+    return (f"'offload:disk' cannot keep its state file in {directory!r} ({e.strerror or e}): set "
+            "COLABKIT_OFFLOAD_DIR to a writable folder on a local disk with room for 8 B per parameter "
+            "(on Colab e.g. /content/offload, not Drive), or unset it for a temporary folder")
 
 
 class DiskAdamW(torch.optim.Optimizer):
@@ -56,7 +69,8 @@ class DiskAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None,
                  chunk_elems: int = CHUNK_ELEMS, prefetch: bool = True):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.directory = directory or offload_dir()
+        own_dir = directory is None and not os.environ.get("COLABKIT_OFFLOAD_DIR")
+        self.directory = offload_dir(directory)
         self.prefetch = prefetch
         self.chunks: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
@@ -68,9 +82,15 @@ class DiskAdamW(torch.optim.Optimizer):
         self.n_chunks = len(self.chunks)
         self.file_bytes = 8 * sum(b - a for _, a, b, _ in self.chunks)  # payload; the file adds page padding
         self.path = os.path.join(self.directory, f"adamw-state-{os.getpid()}-{id(self):x}.bin")
-        with open(self.path, "wb") as f:
-            f.truncate(max(offset, PAGE))  # sparse: zeros cost no disk until written
-        self._file = open(self.path, "r+b")
+        try:
+            with open(self.path, "wb") as f:
+                # reserve the blocks now: a sparse file on a full disk would only fail when a chunk is
+                # written through the mapping, and that kills the process (SIGBUS) instead of raising
+                _reserve(f.fileno(), max(offset, PAGE))
+            self._file = open(self.path, "r+b")
+        except OSError as e:
+            _release(None, None, None, self.path, self.directory if own_dir else None)
+            raise PlanError(_unusable(self.directory, e)) from None
         self._mm = mmap.mmap(self._file.fileno(), 0)
         # host buffers for two chunks (current + prefetched): the only RAM the state ever takes
         biggest = max((b - a for _, a, b, _ in self.chunks), default=0)
@@ -78,7 +98,14 @@ class DiskAdamW(torch.optim.Optimizer):
         self._buffers = [torch.zeros(2, biggest, pin_memory=pin) for _ in range(2)]
         self._steps: dict[int, int] = {}  # id(param) -> Adam step count
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colabkit-disk") if prefetch else None
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._mm, self._file, self.path)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._mm, self._file, self.path,
+                                           self.directory if own_dir else None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "chunks"):  # after __init__ the file layout is fixed: a new group would never be updated
+            raise NotImplementedError("DiskAdamW lays out its state file when it is created: pass every parameter "
+                                      "group to the constructor (e.g. unfreeze layers, then build the optimizer)")
+        super().add_param_group(param_group)
 
     # ----- file IO: the only code that touches the file ---------------------------------------
     def _view(self, k: int) -> torch.Tensor:
@@ -157,6 +184,7 @@ class DiskAdamW(torch.optim.Optimizer):
             if i in state:
                 state[i]["exp_avg"] = state[i]["exp_avg"].view_as(p)
                 state[i]["exp_avg_sq"] = state[i]["exp_avg_sq"].view_as(p)
+        self._mm.madvise(mmap.MADV_DONTNEED)  # the pages just read leave this process again
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index[id(p)] for p in g["params"]]}
                   for g in self.param_groups]
         return {"state": state, "param_groups": groups}
@@ -175,19 +203,39 @@ class DiskAdamW(torch.optim.Optimizer):
             view[0].copy_(s["exp_avg"].reshape(-1)[a:b])
             view[1].copy_(s["exp_avg_sq"].reshape(-1)[a:b])
             self._steps[id(p)] = int(s["step"])
+        self._mm.flush()
+        self._mm.madvise(mmap.MADV_DONTNEED)  # written back; out of this process's resident memory
 
     def close(self) -> None:
         """Unmap and delete the state file (also done when the optimizer is collected, or at exit)."""
         self._finalizer()
 
 
-def _release(pool: ThreadPoolExecutor | None, mm: mmap.mmap, f: Any, path: str) -> None:
+def _reserve(fd: int, size: int) -> None:
+    """Give the file ``size`` bytes of real disk blocks (ENOSPC now, not SIGBUS later)."""
+    os.ftruncate(fd, size)
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows: the sparse file it is
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        # EOPNOTSUPP/EINVAL (a file system without fallocate): keep the sparse file
+
+
+def _release(pool: ThreadPoolExecutor | None, mm: mmap.mmap | None, f: Any, path: str,
+             own_dir: str | None = None) -> None:
+    """Stop the IO thread, unmap, delete the state file and the temporary folder colabkit made for it."""
     if pool is not None:
         pool.shutdown(wait=True)
-    mm.close()
-    f.close()
+    for handle in (mm, f):
+        if handle is not None:
+            handle.close()
     if os.path.exists(path):
         os.remove(path)
+    if own_dir is not None and os.path.isdir(own_dir) and not os.listdir(own_dir):
+        os.rmdir(own_dir)
 
 
 class _Done:

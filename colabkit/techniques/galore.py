@@ -18,6 +18,7 @@ step, so the state matches the paper's formula (the test measures both).
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ..plan import Context, Plan, PlanError, Technique, register
 from .optimizers import STATE_FORMULAS
 
-INSTALL = 'pip install galore-torch   (or: pip install -e ".[dev]")'
+INSTALL = 'pip install galore-torch   (or: pip install "colabkit[optim]")'
 UPDATE_GAP = 200   # the paper's default projector update interval
 # The paper's alpha = 0.25 goes with a 10x larger learning rate than Adam's (0.01 vs 0.001); colabkit runs
 # every optimizer at the same lr, so alpha = 1 keeps GaLore's update the size of Adam's (measured: loss
@@ -47,7 +48,7 @@ def _parse(arg: str | None) -> tuple[int, int]:
         raise PlanError("galore needs a rank, e.g. galore:32 (or galore:32:200 for the projector update interval)")
     parts = arg.split(":")
     if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise PlanError(f"'galore:{arg}': use galore:R or galore:R:T with whole numbers R (rank) and T (update interval)")
+        raise PlanError("use galore:R or galore:R:T with whole numbers R (rank) and T (update interval)")
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else UPDATE_GAP
 
 
@@ -88,6 +89,10 @@ def make_galore(groups: list[dict], model: torch.nn.Module, rank: int, gap: int 
             return loss
 
     proj = projected(model, rank)
+    if not proj:
+        warnings.warn(f"galore:{rank} projects no weight of this model (every linear layer's smaller side is "
+                      f"<= {rank}), so it runs as plain AdamW with 8 B/param of state: use a rank below the "
+                      "model's width", stacklevel=2)
     out = []
     for g in groups:
         plain = [p for p in g["params"] if id(p) not in proj]
