@@ -67,10 +67,18 @@ class Logger:
 class CSVLogger(Logger):
     """``metrics.csv`` in ``directory``: a header of every metric seen in the first row, one row a step."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, resume_step: int | None = None):
         self.path = os.path.join(directory, "metrics.csv")
+        kept: list[dict[str, str]] = []
+        if resume_step is not None and os.path.exists(self.path):  # keep the rows up to the checkpoint's step
+            with open(self.path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
         self._f = open(self.path, "w", newline="")
         self._w: Any = None
+        if kept:
+            self._w = csv.DictWriter(self._f, fieldnames=list(kept[0]), extrasaction="ignore")
+            self._w.writeheader()
+            self._w.writerows(kept)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._w is None:
@@ -138,9 +146,10 @@ def _wandb_logged_in(wandb: Any) -> bool:
 _MAKERS: dict[str, Callable[[str], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
 
 
-def make_loggers(log: str | Sequence[str] | None, directory: str) -> list[Logger]:
+def make_loggers(log: str | Sequence[str] | None, directory: str, resume_step: int | None = None) -> list[Logger]:
     """One logger per backend name (``"tensorboard"``, ``"wandb"``, ``"csv"``; a comma-separated string
-    works too), all writing under ``directory``."""
+    works too), all writing under ``directory``. ``resume_step``: a resumed run (the CSV keeps its rows up
+    to that step; TensorBoard's new event file continues the same run)."""
     names = [n.strip().lower() for n in (log.split(",") if isinstance(log, str) else log or []) if n.strip()]
     bad = [n for n in names if n not in _MAKERS]
     if bad:
@@ -154,7 +163,8 @@ def make_loggers(log: str | Sequence[str] | None, directory: str) -> list[Logger
     made: list[Logger] = []
     try:
         for n in names:
-            made.append(_MAKERS[n](directory))
+            made.append(_MAKERS[n](directory, resume_step) if n == "csv" and resume_step is not None
+                        else _MAKERS[n](directory))
     except BaseException:
         for lg in made:  # a later backend failed (package missing): close the files already opened
             lg.close()

@@ -186,8 +186,6 @@ def train(
     torch.manual_seed(seed)
     name = model if isinstance(model, str) else None
     on_sample = live_plot.update if live_plot is not None else None
-    loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit")) if log else []
-    callbacks = [*callbacks, *loggers]
     tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track,
                             budget_bytes=budget_bytes) if (track or live_plot) else None
     ctx = tracker if tracker is not None else contextlib.nullcontext()
@@ -203,6 +201,14 @@ def train(
             resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume is True)
             if resumed:
                 print(f"colabkit: resumed from step {trainer.step_count} ({os.path.basename(resumed)} in {checkpoint_dir})")
+        # loggers once the plan is accepted (a refused plan leaves no empty log files); a resumed run
+        # continues its CSV from the checkpoint's step
+        loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit"),
+                               resume_step=trainer.step_count if resumed else None) if log else []
+        if loggers:
+            print(f"colabkit: logging {', '.join(type(lg).__name__[:-6].lower() for lg in loggers)} to "
+                  f"{loggers[0].path if os.path.isdir(loggers[0].path) else os.path.dirname(loggers[0].path)}")
+        callbacks = [*callbacks, *loggers]
         bar = range(trainer.step_count, steps)
         if progress:
             try:
@@ -211,40 +217,42 @@ def train(
                 bar = tqdm(bar, desc=f"train {trainer.plan}", initial=trainer.step_count, total=steps)
             except ImportError:
                 pass
-        for step in bar:
-            x, y = data.batch(batch, seq, step=step, seed=seed, device=dev)
-            if tracker is not None:
-                tracker.set_step(step)
-            _sync(dev)
-            t0 = time.perf_counter()
-            try:
-                # an OOM that shrinking cannot fix: freed, snapshot saved, categories shown, a plan that
-                # fits suggested (colabkit.oom); with checkpoints, the state before the step is saved
-                with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
-                               gpu=gpu) if tracker is not None else contextlib.nullcontext():
-                    loss = _step(trainer, x, y, on_oom, shrinks)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if checkpoint_dir and is_oom(e):
-                    print(f"colabkit: out of memory; state before step {trainer.step_count + 1} saved to "
-                          f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)}")
-                raise
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            losses.append(loss)
-            times.append(dt)
-            if tracker is not None:
-                _alerts(tracker, sent, name, batch, seq, gpu, host_limit_bytes)
-            if progress and hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss:.3f}")
-            if eval_every and (step + 1) % eval_every == 0:
-                ex, ey = data.batch(batch, seq, step=10**9 + step, seed=seed, device=dev)
-                evals.append((step + 1, trainer.evaluate(ex, ey)))
-            for cb in callbacks:
-                cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
-            if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
-    for lg in loggers:
-        lg.close()
+        try:
+            for step in bar:
+                x, y = data.batch(batch, seq, step=step, seed=seed, device=dev)
+                if tracker is not None:
+                    tracker.set_step(step)
+                _sync(dev)
+                t0 = time.perf_counter()
+                try:
+                    # an OOM that shrinking cannot fix: freed, snapshot saved, categories shown, a plan that
+                    # fits suggested (colabkit.oom); with checkpoints, the state before the step is saved
+                    with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
+                                   gpu=gpu) if tracker is not None else contextlib.nullcontext():
+                        loss = _step(trainer, x, y, on_oom, shrinks)
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if checkpoint_dir and is_oom(e):
+                        print(f"colabkit: out of memory; state before step {trainer.step_count + 1} saved to "
+                              f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)}")
+                    raise
+                _sync(dev)
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                times.append(dt)
+                if tracker is not None:
+                    _alerts(tracker, sent, name, batch, seq, gpu, host_limit_bytes)
+                if progress and hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                if eval_every and (step + 1) % eval_every == 0:
+                    ex, ey = data.batch(batch, seq, step=10**9 + step, seed=seed, device=dev)
+                    evals.append((step + 1, trainer.evaluate(ex, ey)))
+                for cb in callbacks:
+                    cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
+                if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+                    save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
+        finally:  # the run's logs are complete (and a W&B run ended) even when a step raises
+            for lg in loggers:
+                lg.close()
     if checkpoint_dir and (not checkpoint_every or trainer.step_count % checkpoint_every):
         save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
     return {

@@ -136,3 +136,16 @@ def test_a_second_tensorboard_run_in_the_same_folder_warns(tmp_path):
         make_loggers("tensorboard", str(tmp_path))[0].close()
     with pytest.warns(UserWarning, match="fresh log_dir per run"):
         make_loggers("tensorboard", str(tmp_path))[0].close()
+
+
+def test_resumed_run_continues_its_csv_and_a_refused_plan_leaves_no_logs(tmp_path):
+    kw = dict(batch=2, seq=16, seed=1, progress=False, log="csv", log_dir=str(tmp_path / "logs"),
+              checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+    colabkit.train("gpt:2x64", steps=3, **kw)            # rows 1-3 written, checkpoint at step 2 (and 3 at the end)
+    colabkit.train("gpt:2x64", steps=5, resume=True, **kw)
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
+    with pytest.raises(colabkit.PlanError):
+        colabkit.train("gpt:2x64", plan="adamw+sgd", steps=1, batch=2, seq=16, progress=False, log="csv",
+                       log_dir=str(tmp_path / "refused"))
+    assert not (tmp_path / "refused" / "metrics.csv").exists()
