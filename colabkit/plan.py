@@ -38,6 +38,7 @@ class Context:
     lr: float = 3e-4
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
+    offload_sim: bool = False  # offload tokens on a CPU run: simulated host side (techniques/offload.py)
 
     @property
     def cuda(self) -> bool:

@@ -136,7 +136,7 @@ def test_activation_offload_is_exact():
     _loss(m, x, y).backward()
     ref = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    with off.activation_offload(pin_memory=False):
+    with off.activation_offload():
         _loss(m, x, y).backward()
     for r, p in zip(ref, m.parameters()):
         assert torch.equal(r, p.grad)
