@@ -370,6 +370,13 @@ class MemoryTracker:
             if len(self._events) > 200_000:  # bound the log in long runs without step labels
                 self._fold()
 
+    def _to_host(self, info: _Info) -> None:
+        with self._lock:
+            info.host = True  # its logged events replay on the host side at the next fold
+            if not info.dead:
+                self._total -= info.nbytes
+                self._host_total += info.nbytes
+
     def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -381,7 +388,9 @@ class MemoryTracker:
                 if info is None:
                     if dev or st in _HOST:  # host-side storages count on any device (pinned on CUDA)
                         self._add(st, "pre-existing", kind)
-                elif info.kind is None or (kind == "params" and info.kind != "params"):
+                elif not info.host and st in _HOST:  # tagged host side after it was made
+                    self._to_host(info)
+                if info is not None and (info.kind is None or (kind == "params" and info.kind != "params")):
                     info.kind = kind
 
     def _adopt_model(self, model: torch.nn.Module) -> None:

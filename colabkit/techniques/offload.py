@@ -332,6 +332,27 @@ def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Contex
     return HostOptimizer(plain_groups, make, pair)
 
 
+class HostStateOptimizer(WrappedOptimizer):
+    """``offload:params`` without ``offload:optimizer``: the plain optimizer updates the host-side
+    block parameters in place, so their state lives on the host too (CPU tensors on a GPU run);
+    this tags it host side for the tracker after each step."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        for p, s in self.optimizer.state.items():
+            if getattr(p, "_colabkit_host", False):
+                for v in s.values():
+                    if isinstance(v, torch.Tensor):
+                        mark_host(v)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
 # ----- offload:activations -----------------------------------------------------------------------
 def activation_offload(pair: DevicePair | None = None) -> contextlib.AbstractContextManager:
     """Saved-for-backward tensors go to the host side (pinned on CUDA: asynchronous copies back)
@@ -635,6 +656,8 @@ def _forward_context(plan: Plan, ctx: Context):
 def _wrap(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> Any:
     if "optimizer" in plan.get("offload", ()):
         return _offload_optimizer(optimizer, model, plan, ctx)
+    if "params" in plan.get("offload", ()):
+        return HostStateOptimizer(optimizer)
     return optimizer
 
 
