@@ -139,7 +139,7 @@ def test_cli_bench_offload_sim_reports_host_side(tmp_path):
 # ----- (2) offload:params + fused-step is refused, naming the conflict ----------------------------
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_params_with_fused_step_is_refused(device):
-    ctx = Context(device=torch.device(device), offload_sim=device == "cpu")
+    ctx = Context(device=torch.device(device), **({"offload_sim": True} if device == "cpu" else {}))
     with pytest.raises(PlanError, match="'offload:params' and 'fused-step' conflict"):
         REGISTRY["offload"].check(Plan.parse("offload:params+fused-step"), ctx)
 
@@ -215,3 +215,19 @@ def test_pinned_rounding_gpt2_1_5b():
     off.host_ram_guard(plain, "masters", available=colab, reserve=0)  # the old, unrounded plan fit
     with pytest.raises(PlanError, match="17.5 GiB"):
         off.host_ram_guard(0, "masters", available=colab, reserve=0, pinned=[p.numel() * 4 for p in params] * 2)
+
+
+def test_optimizer_and_params_together_equal_plain():
+    # offload:params+offload:optimizer: the host optimizer updates the streamed blocks in place
+    losses = {}
+    for plan in ("baseline", "offload:optimizer+offload:params"):
+        torch.manual_seed(3)
+        t = Trainer(_gpt_dropout(), plan, device="cpu", offload_sim=True)
+        losses[plan] = [t.step(*TextData().batch(4, 32, step=i)) for i in range(3)]
+    assert losses["offload:optimizer+offload:params"] == pytest.approx(losses["baseline"], rel=1e-6)
+    assert t.model.blocks[0].attn is t.model.blocks[0].block.attn  # block attributes reachable
+    with pytest.raises(ValueError, match="master weights"):  # a checkpoint of another model
+        t.optimizer.load_state_dict({**t.optimizer.state_dict(), "masters": []})
+    with pytest.raises(PlanError, match="unknown offload strategy"):
+        with off.offloaded(t.optimizer, t.model, "disk"):
+            pass

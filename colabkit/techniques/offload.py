@@ -104,8 +104,8 @@ class DevicePair:
 
     >>> pair = DevicePair("cpu")
     >>> h = pair.to_host(torch.ones(3)); d = pair.to_compute(h)
-    >>> pair.simulated, d.data_ptr() != h.data_ptr(), pinned_bytes(12), pair.host_nbytes([12])
-    (True, True, 16, 12)
+    >>> pair, d.data_ptr() != h.data_ptr(), pinned_bytes(12), pair.host_nbytes([12])
+    (DevicePair(cpu <-> host (simulated)), True, 16, 12)
     """
 
     def __init__(self, compute: str | torch.device):
@@ -278,7 +278,7 @@ class HostOptimizer(WrappedOptimizer):
         with host_side():
             self.optimizer.load_state_dict(sd["optimizer"] if "masters" in sd else sd)
         own = [(p, h) for p, h in self._pairs if h is not p]
-        masters = sd.get("masters") or [p.detach() for p, _ in own]
+        masters = sd["masters"] if "masters" in sd else [p.detach() for p, _ in own]
         if len(masters) != len(own):
             raise ValueError(f"checkpoint has {len(masters)} master weights, this optimizer {len(own)}: "
                              "resume with the same model and plan")
@@ -611,9 +611,7 @@ def _parse(arg: str | None) -> str:
 
 def _check(plan: Plan, ctx: Context) -> None:
     kinds = sorted(plan.get("offload", ()))
-    if not kinds:
-        return
-    if not ctx.cuda and not ctx.offload_sim:
+    if kinds and not ctx.cuda and not ctx.offload_sim:
         names = " + ".join(f"'offload:{k}'" for k in kinds)
         raise PlanError(f"{names} on a CPU run: there is nothing to offload to — the tensors already live in host "
                         "RAM. Drop the offload tokens (on a GPU they move state to host RAM), simulate them with "
