@@ -193,12 +193,15 @@ def test_rng_replay_negative_control(monkeypatch):
 
 @pytest.mark.parametrize("make", [_gpt_dropout, _gpt2, _llama], ids=["gpt-dropout", "gpt2-hf", "llama"])
 def test_five_steps_offload_params_equal_plain(make):
-    losses = {}
-    for plan in ("baseline", "offload:params"):
-        torch.manual_seed(3)
-        t = Trainer(make(), plan, device="cpu", offload_sim=True)
-        losses[plan] = [t.step(*TextData().batch(4, 32, step=i)) for i in range(5)]
-    assert losses["offload:params"] == pytest.approx(losses["baseline"], rel=1e-6)
+    _, plain = _steps(make, "baseline", 5)
+    _, streamed = _steps(make, "offload:params", 5)
+    assert streamed == pytest.approx(plain, rel=1e-6)
+
+
+def _steps(make, plan, n):
+    torch.manual_seed(3)
+    t = Trainer(make(), plan, device="cpu", offload_sim=True)
+    return t, [t.step(*TextData().batch(4, 32, step=i)) for i in range(n)]
 
 
 # ----- (8) the host-RAM guard counts pinned blocks rounded up to a power of two -------------------
@@ -220,12 +223,9 @@ def test_pinned_rounding_gpt2_1_5b():
 
 def test_optimizer_and_params_together_equal_plain():
     # offload:params+offload:optimizer: the host optimizer updates the streamed blocks in place
-    losses = {}
-    for plan in ("baseline", "offload:optimizer+offload:params"):
-        torch.manual_seed(3)
-        t = Trainer(_gpt_dropout(), plan, device="cpu", offload_sim=True)
-        losses[plan] = [t.step(*TextData().batch(4, 32, step=i)) for i in range(3)]
-    assert losses["offload:optimizer+offload:params"] == pytest.approx(losses["baseline"], rel=1e-6)
+    _, plain = _steps(_gpt_dropout, "baseline", 3)
+    t, both = _steps(_gpt_dropout, "offload:optimizer+offload:params", 3)
+    assert both == pytest.approx(plain, rel=1e-6)
     assert t.model.blocks[0].attn is t.model.blocks[0].block.attn  # block attributes reachable
     with pytest.raises(ValueError, match="master weights"):  # a checkpoint of another model
         t.optimizer.load_state_dict({**t.optimizer.state_dict(), "masters": []})
