@@ -59,6 +59,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--t4", action="store_true", help="emulate a T4 on a bigger GPU (memory cap, no bf16/flash)")
+    p.add_argument("--offload-sim", action="store_true",
+                   help="on a CPU, simulate offload tokens (a distinct host side; host_bytes in the record)")
 
 
 @subcommand("bench", "measure plans on a model: peak memory, breakdown, step time, loss", _bench_args, bench_table)
@@ -67,7 +69,8 @@ def _bench(args: argparse.Namespace) -> dict:
 
     if args.t4:
         emulate_t4()
-    results = [measure(args.model, p, batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, seed=args.seed)
+    results = [measure(args.model, p, batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, seed=args.seed,
+                       offload_sim=args.offload_sim)
                for p in (args.plan or ["baseline"])]
     return {"env": env(), "results": results}
 
@@ -105,9 +108,10 @@ def _train(args: argparse.Namespace) -> dict:
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),
                 keep=args.keep, on_oom=args.on_oom, track=not args.no_track,
-                log=args.log, log_dir=args.log_dir)
+                log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim)
     return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"],
-            "accum": out["accum"], "oom_shrinks": out["oom_shrinks"], "resumed_from": out["resumed_from"]}
+            "accum": out["accum"], "oom_shrinks": out["oom_shrinks"], "resumed_from": out["resumed_from"],
+            "simulated": out["simulated"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,46 @@ def param_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     yield from model.buffers()
 
 
+# ----- the host side (offload) -------------------------------------------------------------------
+# Offload keeps tensors in host RAM: pinned on CUDA, and on a CPU run with simulated offload a
+# second, distinct side of the same RAM. Storages allocated inside ``host_side()`` (or tagged with
+# ``mark_host``) are counted on the host side: ``host_bytes`` / ``host_breakdown`` in the report,
+# not the device's peak — on a GPU and in the CPU simulation alike.
+_HOST: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+_HOST_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def host_side() -> Iterator[None]:
+    """Storages created in this block (this thread) live on the host side.
+
+    >>> with MemoryTracker(device="cpu") as mt:
+    ...     with host_side():
+    ...         h = torch.zeros(256)
+    ...     d = torch.zeros(128)
+    >>> r = mt.report(); r["host_bytes"], r["peak_bytes"]
+    (1024, 512)
+    """
+    prev = getattr(_HOST_SCOPE, "on", False)
+    _HOST_SCOPE.on = True
+    try:
+        yield
+    finally:
+        _HOST_SCOPE.on = prev
+
+
+def mark_host(t: torch.Tensor) -> torch.Tensor:
+    """Tag a tensor's storage as host side (for trackers started later too); returns ``t``."""
+    for st in _storages(t):
+        _HOST.add(st)
+    return t
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """True if the tensor's storage was allocated on, or tagged as, the host side."""
+    return any(st in _HOST for st in _storages(t))
+
+
 def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
     """Tensors an optimizer keeps between steps. Wrappers (fused-step, offload) may define
     ``state_tensors()``; plain torch/bitsandbytes optimizers keep them in ``.state``."""
@@ -120,6 +160,7 @@ class _Info:
     step: int
     kind: str | None = None  # params/grads/optimizer once known; None -> decided by phase
     dead: bool = False
+    host: bool = False  # host side (offload): counted in host_bytes, not the device's peak
 
     @property
     def category(self) -> str:
@@ -139,8 +180,9 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tr = self.tracker
         inputs = None
+        host = getattr(_HOST_SCOPE, "on", False)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and tr._on_device(t):
+            if isinstance(t, torch.Tensor) and (tr._on_device(t) or (host and t.device.type == "cpu")):
                 for st in _storages(t):
                     if id(st) in tr._ids:
                         continue
@@ -148,6 +190,8 @@ class _Mode(TorchDispatchMode):
                         inputs = {id(s) for a in tree_flatten((args, kwargs))[0]
                                   if isinstance(a, torch.Tensor) for s in _storages(a)}
                     if id(st) not in inputs:
+                        if host:
+                            _HOST.add(st)
                         tr._add(st, func.__name__)
         return out
 
@@ -213,6 +257,7 @@ class MemoryTracker:
         self._phase = "setup"
         self._step = 0
         self._total = 0
+        self._host_total = 0
         self._phase_max = 0
         self._mode: _Mode | None = None
         self._hooks: list[Any] = []
@@ -297,12 +342,16 @@ class MemoryTracker:
         n = -(-st.nbytes() // self.alloc_round) * self.alloc_round  # alloc_round: e.g. CUDA's 512 B blocks
         if n == 0:
             return
+        host = st in _HOST
         with self._lock:
             self._uid += 1
             key = self._uid
             self._ids[id(st)] = key
-            self._infos[key] = _Info(n, self._phase, op, self._step, kind)
+            self._infos[key] = _Info(n, self._phase, op, self._step, kind, host=host)
             self._events.append((key, n))
+            if host:
+                self._host_total += n
+                n = 0
             self._total += n
             if self._total > self._phase_max:
                 self._phase_max = self._total
@@ -322,20 +371,34 @@ class MemoryTracker:
             if self._ids.get(sid) == key:
                 del self._ids[sid]
             self._events.append((key, -info.nbytes))
-            self._total -= info.nbytes
+            if info.host:
+                self._host_total -= info.nbytes
+            else:
+                self._total -= info.nbytes
             if len(self._events) > 200_000:  # bound the log in long runs without step labels
                 self._fold()
 
+    def _to_host(self, info: _Info) -> None:
+        with self._lock:
+            info.host = True  # its logged events replay on the host side at the next fold
+            if not info.dead:
+                self._total -= info.nbytes
+                self._host_total += info.nbytes
+
     def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         for t in tensors:
-            if not isinstance(t, torch.Tensor) or not self._on_device(t):
+            if not isinstance(t, torch.Tensor):
                 continue
+            dev = self._on_device(t)
             for st in _storages(t):
                 uid = self._ids.get(id(st))
                 info = self._infos.get(uid) if uid is not None else None
                 if info is None:
-                    self._add(st, "pre-existing", kind)
-                elif info.kind is None or (kind == "params" and info.kind != "params"):
+                    if dev or st in _HOST:  # host-side storages count on any device (pinned on CUDA)
+                        self._add(st, "pre-existing", kind)
+                elif not info.host and st in _HOST:  # tagged host side after it was made
+                    self._to_host(info)
+                if info is not None and (info.kind is None or (kind == "params" and info.kind != "params")):
                     info.kind = kind
 
     def _adopt_model(self, model: torch.nn.Module) -> None:
@@ -371,8 +434,11 @@ class MemoryTracker:
     def _reset_window(self) -> None:
         with self._lock:
             cats = dict.fromkeys(CATEGORIES, 0)
+            hcats = dict.fromkeys(CATEGORIES, 0)
             for info in self._live_infos():
-                cats[info.category] += info.nbytes
+                (hcats if info.host else cats)[info.category] += info.nbytes
+            self._host_now, self._host_cat_peak = hcats, dict(hcats)
+            self._host_peak = sum(hcats.values())
             self._window_start = dict(cats)
             self._cat_now = cats
             self._cat_peak = dict(cats)
@@ -388,9 +454,19 @@ class MemoryTracker:
         with self._lock:
             events, self._events = self._events, []
             cats, total = self._cat_now, sum(self._cat_now.values())
+            hcats, htotal = self._host_now, sum(self._host_now.values())
             dead = []
             for key, delta in events:
                 info = self._infos[key]
+                if info.host:  # the host side keeps its own peaks
+                    c = info.category
+                    hcats[c] += delta
+                    htotal += delta
+                    self._host_cat_peak[c] = max(self._host_cat_peak[c], hcats[c])
+                    self._host_peak = max(self._host_peak, htotal)
+                    if delta < 0:
+                        dead.append(key)
+                    continue
                 cats[info.category] += delta
                 total += delta
                 if delta > 0:
@@ -457,7 +533,17 @@ class MemoryTracker:
         cats = dict.fromkeys(CATEGORIES, 0)
         with self._lock:
             for info in self._live_infos():
-                cats[info.category] += info.nbytes
+                if not info.host:
+                    cats[info.category] += info.nbytes
+        return cats
+
+    def host_current(self) -> dict[str, int]:
+        """Host-side bytes live now, by category (offload: pinned on CUDA, simulated on a CPU)."""
+        cats = dict.fromkeys(CATEGORIES, 0)
+        with self._lock:
+            for info in self._live_infos():
+                if info.host:
+                    cats[info.category] += info.nbytes
         return cats
 
     def _live_infos(self) -> list[_Info]:
@@ -481,6 +567,8 @@ class MemoryTracker:
             "budget_bytes": self.budget_bytes,
             "alerts": list(self.alerts),
             "host_rss_peak": max((s["host_rss"] or 0) for s in self.timeline) if self.timeline else None,
+            "host_bytes": self._host_peak,  # host side (offload), each category's peak below
+            "host_breakdown": dict(self._host_cat_peak),
         }
         if self.is_cuda:
             r["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -490,8 +578,8 @@ class MemoryTracker:
             except Exception:  # no NVML (or AMD without amdsmi): not essential
                 r["device_used_bytes"] = None
         if not self.categories:
-            r["breakdown"] = r["at_peak"] = None
-            r["tracked_peak_bytes"] = None
+            r["breakdown"] = r["at_peak"] = r["host_breakdown"] = None
+            r["tracked_peak_bytes"] = r["host_bytes"] = None
         return r
 
     def table(self) -> str:
@@ -523,6 +611,9 @@ def format_report(r: dict[str, Any]) -> str:
         at = r.get("at_peak") or {}
         for c in CATEGORIES:
             lines.append(f"{c:<12} {fmt_bytes(r['breakdown'][c]):>12} {fmt_bytes(at.get(c)):>12}")
+    if r.get("host_bytes"):
+        hb = r.get("host_breakdown") or {}
+        lines.append(f"host side {fmt_bytes(r['host_bytes'])}: " + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in hb.items() if v))
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ class Context:
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
     model: Any = None  # the model being trained, once built (optimizers that need names, e.g. adam-mini)
+    offload_sim: bool = False  # offload tokens on a CPU run: simulated host side (techniques/offload.py)
 
     @property
     def cuda(self) -> bool:

@@ -130,6 +130,11 @@ def _step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, on_oom: str, shrin
                   f"retrying with micro-batch {batch // (2 * k)} x accum {2 * k} (effective batch {batch})")
 
 
+def _simulated(trainer: Trainer) -> bool:
+    """True when offload ran simulated (host side and compute side both on the CPU)."""
+    return bool(trainer.ctx.offload_sim and not trainer.ctx.cuda and "offload" in trainer.plan)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -160,6 +165,7 @@ def train(
     host_limit_bytes: int = int(12.7e9),
     log: str | Iterable[str] | None = None,
     log_dir: str | None = None,
+    offload_sim: bool = False,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
@@ -174,6 +180,8 @@ def train(
     once the peak nears ``budget_bytes`` or host RAM nears ``host_limit_bytes`` (Colab's 12.7 GB).
     ``log`` (``"tensorboard"``, ``"wandb"``, ``"csv"`` or a list) writes loss, step time and memory by
     category per step under ``log_dir`` (default ``runs/colabkit``; see :mod:`colabkit.logs`).
+    ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side (the result says
+    ``"simulated": True``).
 
     >>> out = train("gpt-tiny", steps=2, batch=2, seq=16, progress=False)
     >>> len(out["losses"]), out["step"]
@@ -196,7 +204,8 @@ def train(
         if isinstance(model, str):
             model = load_model(model, plan, seq=seq, device=dev)
         _check_model(model, seq)
-        trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker)
+        trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker,
+                          offload_sim=offload_sim)
         if resume and checkpoint_dir:
             resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume is True)
             if resumed:
@@ -269,6 +278,7 @@ def train(
         "report": tracker.report() if tracker is not None else None,
         "timeline": tracker.timeline if tracker is not None else [],
         "weights_sha256": weights_sha256(trainer.model),
+        "simulated": _simulated(trainer),
         "trainer": trainer,
     }
 
@@ -285,6 +295,7 @@ def measure(
     data: TextData | None = None,
     on_sample: Callable[[dict], None] | None = None,
     timing_steps: int | None = None,
+    offload_sim: bool = False,
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps under the tracker and return one ``bench`` record.
 
@@ -296,13 +307,17 @@ def measure(
     kernels themselves; so on CUDA ``step_time_s`` comes from ``timing_steps`` (default 2) further
     steps run without it (``step_time_tracked_s`` keeps the tracked figure). On the CPU the ops
     dominate and the tracked steps are timed (``timing_steps=0``).
+
+    ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side: the record has
+    ``"simulated": True``; ``host_bytes`` / ``host_breakdown`` are the host side's peaks (pinned RAM
+    on a GPU) and ``breakdown`` the device side's.
     """
     dev = _device(device)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     record: dict[str, Any] = {"plan": str(plan), "model": name, "params": None, "trainable_params": None,
                               "peak_bytes": None, "breakdown": None, "at_peak": None, "step_time_s": None,
                               "loss": None, "ok": False, "error": None, "device": str(dev),
-                              "batch": batch, "seq": seq, "steps": steps}
+                              "batch": batch, "seq": seq, "steps": steps, "simulated": False}
     data = data or TextData()
     tracker = MemoryTracker(device=dev, on_sample=on_sample)
     try:
@@ -311,7 +326,10 @@ def measure(
         torch.manual_seed(seed)
         with tracker:
             model = load_model(model_fn, plan, seq=seq, device=dev) if isinstance(model_fn, str) else model_fn()
-            trainer = Trainer(model, plan, device=dev, lr=lr, model_name=name, tracker=tracker)
+            trainer = Trainer(model, plan, device=dev, lr=lr, model_name=name, tracker=tracker, offload_sim=offload_sim)
+            if _simulated(trainer):
+                record["simulated"] = True
+                record["device"] = f"{dev} (offload simulated: compute and host side both on the CPU)"
             record["params"] = count_params(trainer.model)
             record["trainable_params"] = count_params(trainer.model, trainable_only=True)
             tracker.reset_peaks()  # the measured window: the steps, not building the model
@@ -325,7 +343,8 @@ def measure(
                 _sync(dev)
                 times.append(time.perf_counter() - t0)
         record.update({k: v for k, v in tracker.report().items() if k in (
-            "peak_bytes", "breakdown", "at_peak", "peak_phase", "peak_reserved_bytes", "host_rss_peak")})
+            "peak_bytes", "breakdown", "at_peak", "peak_phase", "peak_reserved_bytes", "host_rss_peak",
+            "host_bytes", "host_breakdown")})
         # the first step also allocates optimizer state lazily; later steps show the steady state
         record["step_time_tracked_s"] = sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0]
         record["step_time_s"] = record["step_time_tracked_s"]

@@ -81,10 +81,12 @@ class Trainer:
         max_grad_norm: float | None = None,
         model_name: str | None = None,
         tracker: MemoryTracker | None = None,
+        offload_sim: bool = False,
     ):
         self.plan = Plan.parse(plan)
+        # offload_sim: offload tokens on a CPU run with a simulated host side (techniques/offload.py)
         self.ctx = Context(device=_device(device), env=env(), model_name=model_name, lr=lr,
-                           weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+                           weight_decay=weight_decay, max_grad_norm=max_grad_norm, offload_sim=offload_sim)
         self.plan.check(self.ctx)
         techs = self.plan.techniques()
         for t in techs:  # order < 50: before the move to the device (e.g. quantize, stream params)

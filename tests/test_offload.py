@@ -37,6 +37,7 @@ def test_cpu_run_is_refused_plainly(tok):
     ("offload:optimizer+fused-step", {}, "keep one"),
     ("offload:activations+compress:int8", {}, "keep one"),
     ("offload:params+checkpoint", {}, "drop 'checkpoint'"),
+    ("offload:params+lora:8", {}, "lora/qlora"),
 ])
 def test_conflicts_are_refused(plan, kw, match):
     ctx = Context(device=torch.device("cuda"), **kw)
@@ -136,7 +137,7 @@ def test_activation_offload_is_exact():
     _loss(m, x, y).backward()
     ref = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    with off.activation_offload(pin_memory=False):
+    with off.activation_offload():
         _loss(m, x, y).backward()
     for r, p in zip(ref, m.parameters()):
         assert torch.equal(r, p.grad)

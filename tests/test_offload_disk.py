@@ -11,7 +11,7 @@ import torch
 import colabkit
 from colabkit.plan import PlanError
 from colabkit.techniques.disk_offload import DiskAdamW
-from colabkit.train import CKPT_NAME
+from colabkit.checkpoints import list_checkpoints, read_checkpoint, write_checkpoint
 
 
 def _mlp():
@@ -108,14 +108,12 @@ def test_resume_through_train(tmp_path, monkeypatch, plan):
     full = colabkit.train(steps=6, **kw)
     ck = tmp_path / "ck"
     colabkit.train(steps=3, checkpoint_dir=str(ck), checkpoint_every=3, **kw)
-    path = ck / CKPT_NAME
-    saved = torch.load(path, weights_only=False)
     resumed = colabkit.train(steps=6, checkpoint_dir=str(ck), checkpoint_every=3, resume=True, **kw)
     assert resumed["weights_sha256"] == full["weights_sha256"]
-    saved["optimizer"]["state"] = {}                 # negative control: the moments are lost
-    torch.save(saved, path)
-    os.makedirs(tmp_path / "ck2")
-    os.replace(path, tmp_path / "ck2" / path.name)
+    step, path = list_checkpoints(str(ck))[0]         # negative control: the same checkpoint, moments lost
+    saved = read_checkpoint(path)
+    saved["optimizer"]["state"] = {}
+    write_checkpoint(saved, str(tmp_path / "ck2"), step)
     lost = colabkit.train(steps=6, checkpoint_dir=str(tmp_path / "ck2"), resume=True, **kw)
     assert lost["weights_sha256"] != full["weights_sha256"]
 
