@@ -1,0 +1,160 @@
+"""Run colabkit on N processes (one per rank) for the sharded plans ``zero:1|2|3``.
+
+:func:`launch` spawns ``world_size`` processes on a free loopback port (``MASTER_ADDR=127.0.0.1``),
+starts the process group (gloo on the CPU, nccl with one GPU per rank), runs ``fn(*args)`` in each
+and returns every rank's result. It works from a notebook: the processes are *spawned*, so ``fn``
+must be importable (a colabkit function such as :func:`bench_ranks`, not one defined in a cell).
+
+:func:`bench_sharded` is ``bench --world-size N``: each rank measures its 1/N of the effective batch
+under its own tracker; one record per plan carries the largest rank's breakdown and ``per_rank``.
+Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
+exactly) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
+
+>>> r = bench_sharded("gpt-tiny", ["zero:3"], world_size=2, batch=2, seq=16, steps=1)[0]  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .data import TextData
+from .plan import Plan, PlanError
+from .train import measure
+from .trainer import Trainer, load_model, weights_sha256
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str | None, world_size: int) -> str:
+    """gloo for CPU ranks, nccl for one GPU per rank; a clear error when there are fewer GPUs than ranks.
+
+    >>> backend_for("cpu", 2)
+    'gloo'
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        return "gloo"
+    n = torch.cuda.device_count()
+    if world_size > n:
+        raise PlanError(f"world size {world_size} on nccl needs {world_size} GPUs, this machine has {n}: "
+                        f"use --world-size {max(n, 1)} (Kaggle offers 2xT4), or --device cpu to simulate ranks "
+                        "as CPU processes")
+    return "nccl"
+
+
+def rank_device(device: str | None) -> str:
+    """This rank's device: ``cuda:<rank>`` on nccl, else ``cpu``."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{dist.get_rank() if dist.is_initialized() else 0}"
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:  # ranks share the CPU cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` spawned processes inside one process group; returns each
+    rank's result (rank 0 first). ``fn`` must be importable by the new processes (not notebook-defined)."""
+    backend = backend_for(device, world_size)
+    with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
+        mp.start_processes(_entry, args=(world_size, free_port(), backend, out, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class RankData:
+    """This rank's rows of the effective batch: ``batch(b, ...)`` draws the global batch of
+    ``b * world_size`` sequences (the same one a single process sees) and keeps rows rank*b:(rank+1)*b."""
+
+    def __init__(self, data: TextData | None = None, rank: int | None = None, world_size: int | None = None):
+        self.data = data or TextData()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+
+    def batch(self, batch: int, seq: int, step: int, seed: int = 0, device: str | torch.device = "cpu"):
+        x, y = self.data.batch(batch * self.world_size, seq, step=step, seed=seed, device=device)
+        rows = slice(self.rank * batch, (self.rank + 1) * batch)
+        return x[rows], y[rows]
+
+
+def per_rank_batch(batch: int, world_size: int) -> int:
+    """The micro-batch of each rank; a clear error when the batch does not split evenly.
+
+    >>> per_rank_batch(8, 2)
+    4
+    """
+    if batch % world_size:
+        raise PlanError(f"batch {batch} does not split over {world_size} ranks: use a batch divisible by "
+                        f"{world_size} (e.g. {max(world_size, batch - batch % world_size)})")
+    return batch // world_size
+
+
+def global_mean(x: float) -> float:
+    """The mean of ``x`` over the ranks (all-reduce): equal token counts per rank make it the global loss."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: int, device: str | None,
+                seed: int = 0) -> list[dict[str, Any]]:
+    """Run inside each rank: ``measure`` every plan on this rank's rows (several plans per spawn)."""
+    records = []
+    for plan in plans:
+        r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
+                    device=rank_device(device), seed=seed, data=RankData())
+        ok = torch.tensor([int(bool(r["ok"]))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank reaches the collective; failed ranks vote 0
+        if ok.item():
+            r["loss"] = global_mean(r["loss"])
+        r.update(batch=batch, rank=dist.get_rank(), world_size=dist.get_world_size())
+        records.append(r)
+    return records
+
+
+def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bench record for a plan: the largest rank's figures, every rank's in ``per_rank``."""
+    ok = [r for r in ranks if r["ok"]]
+    top = dict(max(ok, key=lambda r: r["peak_bytes"]) if len(ok) == len(ranks) else
+               next(r for r in ranks if not r["ok"]))
+    top["ok"] = len(ok) == len(ranks)
+    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "loss", "step_time_s", "ok", "error")}
+                       for r in ranks]
+    return top
+
+
+def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: int = 8, seq: int = 128,
+                  steps: int = 2, device: str | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """``bench --world-size N``: one record per plan, measured on N processes in one spawn.
+
+    ``loss`` is the all-reduced mean over the ranks (the single-process loss of the same batch);
+    ``breakdown``/``peak_bytes`` are the largest rank's, ``per_rank`` lists every rank's."""
+    plans = [str(Plan.parse(p)) for p in plans]
+    per_rank_batch(batch, world_size)
+    ranks = launch(bench_ranks, world_size, model, plans, batch, seq, steps, device, seed, device=device)
+    return [_merge([ranks[r][i] for r in range(world_size)]) for i in range(len(plans))]
