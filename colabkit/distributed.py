@@ -158,3 +158,105 @@ def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: 
     per_rank_batch(batch, world_size)
     ranks = launch(bench_ranks, world_size, model, plans, batch, seq, steps, device, seed, device=device)
     return [_merge([ranks[r][i] for r in range(world_size)]) for i in range(len(plans))]
+
+
+# ----- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+def _zero1(trainer: Trainer) -> bool:
+    return trainer.plan.get("zero") == 1
+
+
+def save_sharded(trainer: Trainer, directory: str) -> str:
+    """Write a sharded run's state: model (and FSDP2 optimizer) shards through DCP into
+    ``directory/dcp`` (each rank writes its own shards), plus each rank's step, RNG and, for zero:1,
+    its ZeroRedundancyOptimizer shard in ``directory/rank<r>.pt``. Call on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(trainer.model)}
+    if not _zero1(trainer):
+        state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
+    local = {"step": trainer.step_count, "plan": str(trainer.plan), "rng_cpu": torch.get_rng_state(),
+             "world_size": dist.get_world_size(),
+             "optim": trainer.optimizer.optim.state_dict() if _zero1(trainer) else None}
+    path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
+    torch.save(local, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    dist.barrier()
+    return directory
+
+
+def load_sharded(trainer: Trainer, directory: str) -> bool:
+    """Resume a sharded run written by :func:`save_sharded` (same plan and world size); False if none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
+    if not os.path.exists(path):
+        return False
+    local = torch.load(path, weights_only=False)
+    if local["plan"] != str(trainer.plan) or local["world_size"] != dist.get_world_size():
+        raise PlanError(f"checkpoint in {directory} was written by plan {local['plan']!r} on {local['world_size']} "
+                        f"ranks; this run is {str(trainer.plan)!r} on {dist.get_world_size()}: resume with the same "
+                        "plan and world size, or consolidate() it and start from the weights")
+    state: dict[str, Any] = {"model": get_model_state_dict(trainer.model)}
+    if not _zero1(trainer):
+        state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))  # in place, into this rank's shards
+    set_model_state_dict(trainer.model, state["model"])
+    if _zero1(trainer):
+        trainer.optimizer.optim.load_state_dict(local["optim"])
+    else:
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+    torch.set_rng_state(local["rng_cpu"])
+    trainer.step_count = local["step"]
+    return True
+
+
+def consolidate(directory: str, out_path: str | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict of a sharded checkpoint, in one process (no process group needed),
+    via ``dcp_to_torch_save``; ``model.load_state_dict(consolidate(d))`` gives the trained model for
+    inference on one GPU or the CPU."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out_path = out_path or os.path.join(directory, "consolidated.pt")
+    dcp_to_torch_save(os.path.join(directory, "dcp"), out_path)
+    return torch.load(out_path, weights_only=False)["model"]
+
+
+def train_ranks(model: str, plan: str, steps: int, batch: int, seq: int, seed: int, device: str | None,
+                lr: float, checkpoint_dir: str | None, checkpoint_every: int, resume: bool) -> dict[str, Any]:
+    """Run inside each rank: a training run on this rank's rows, global-mean losses, sharded checkpoints."""
+    dev = rank_device(device)
+    torch.manual_seed(seed)
+    trainer = Trainer(load_model(model, plan, seq=seq, device=dev), plan, device=dev, lr=lr, model_name=model)
+    if resume and checkpoint_dir:
+        load_sharded(trainer, checkpoint_dir)
+    data, losses = RankData(), []
+    for step in range(trainer.step_count, steps):
+        x, y = data.batch(batch // dist.get_world_size(), seq, step=step, seed=seed, device=dev)
+        losses.append(global_mean(trainer.step(x, y)))
+        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            save_sharded(trainer, checkpoint_dir)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"step": trainer.step_count, "loss": losses[-1] if losses else None, "losses": losses,
+            "weights_sha256": _state_sha256(full) if dist.get_rank() == 0 else None}
+
+
+def _state_sha256(state: dict[str, torch.Tensor]) -> str:
+    holder = torch.nn.Module()  # weights_sha256 hashes a module's state dict: give it one
+    holder.state_dict = lambda: state  # type: ignore[method-assign]
+    return weights_sha256(holder)
+
+
+def train_sharded(model: str, plan: str, world_size: int = 2, steps: int = 10, batch: int = 8, seq: int = 128,
+                  seed: int = 0, device: str | None = None, lr: float = 3e-4, checkpoint_dir: str | None = None,
+                  checkpoint_every: int = 0, resume: bool = False) -> dict[str, Any]:
+    """``train --world-size N``: rank 0's result (losses are global means; ``weights_sha256`` hashes the
+    consolidated full weights, so it compares with a single-process run's)."""
+    per_rank_batch(batch, world_size)
+    return launch(train_ranks, world_size, model, str(Plan.parse(plan)), steps, batch, seq, seed, device, lr,
+                  checkpoint_dir, checkpoint_every, resume, device=device)[0]
