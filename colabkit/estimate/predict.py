@@ -18,12 +18,13 @@ from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
 from ..plan import REGISTRY, Plan
 from .formulas import _host_split, analytic
+from .zero import for_rank, zero_per_rank
 from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_as_gpu, trace_with_substitutes
 
 
 def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "baseline", batch: int = 8,
              seq: int = 128, gpu: str | None = "t4", device: str | None = None, steps: int = 2,
-             budget_bytes: int | None = None) -> dict[str, Any]:
+             budget_bytes: int | None = None, world_size: int = 1) -> dict[str, Any]:
     """Predicted peak and per-category breakdown of a training run, on a GPU profile or on the CPU.
 
     ``device="cpu"`` predicts a CPU ``bench`` run (what CI checks); ``gpu="t4"`` predicts a T4:
@@ -37,6 +38,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     """
     profile = _profile(gpu, device)
     plan = Plan.parse(plan)
+    sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
     with _as_t4(profile):
         traced_plan, offload = _split_gpu_tokens(plan, profile)
@@ -44,7 +46,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
             check_as_gpu(plan)
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                     CUDA_ALLOC_ROUND if profile else 1, notes)
-    br, at = t["breakdown"], t["at_peak"]
+    br, at = zero_per_rank(t["breakdown"], zero, world_size), zero_per_rank(t["at_peak"], zero, world_size)
+    t["peak_bytes"] -= sum(t["at_peak"].values()) - sum(at.values())
     host = 0
     cfg = t["config"]
     if offload:
@@ -59,7 +62,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     else:
         budget = budget_bytes or _budget_bytes()
     out = {"model": model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom"),
-           "plan": str(plan), "batch": batch, "seq": seq, "device": "cpu" if profile is None else gpu,
+           "plan": str(sharded_plan), "batch": batch, "world_size": world_size, "seq": seq, "device": "cpu" if profile is None else gpu,
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
            "breakdown": {c: int(br[c]) for c in CATEGORIES}, "at_peak": {c: int(at[c]) for c in CATEGORIES},
            "peak_phase": t["peak_phase"], "host_bytes": int(host), "budget_bytes": int(budget),
