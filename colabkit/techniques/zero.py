@@ -53,9 +53,6 @@ def world_size() -> int:
 def _check(plan: Plan, ctx: Context) -> None:
     stage = plan.get("zero")
     tok = f"zero:{stage}"
-    if world_size() < 2:
-        raise PlanError(f"{tok!r} needs one process per rank: run it through colabkit.distributed.launch / "
-                        "bench_sharded, or `python -m colabkit bench --world-size 2`")
     if plan.optimizer not in TORCH_OPTIMIZERS:
         raise PlanError(f"{tok!r} with {plan.optimizer!r}: the sharded engines step torch optimizers on "
                         f"parameter shards; use {' or '.join(TORCH_OPTIMIZERS)}")
@@ -74,6 +71,9 @@ def _check(plan: Plan, ctx: Context) -> None:
         raise PlanError(f"{tok!r} with {'+'.join('offload:' + k for k in sorted(offload))}: only zero:3 with "
                         "offload:params / offload:optimizer is supported (FSDP2's CPUOffloadPolicy); "
                         "drop the other offload tokens or use zero:3")
+    if world_size() < 2:
+        raise PlanError(f"{tok!r} needs one process per rank: run it through colabkit.distributed.launch / "
+                        "bench_sharded, or `python -m colabkit bench --world-size 2`")
 
 
 def _mesh(ctx: Context):
