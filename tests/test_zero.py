@@ -105,5 +105,5 @@ def test_clear_refusals():
                       ("zero:3+offload:activations", "only zero:3")):
         with pytest.raises(PlanError, match=why):  # zero's own check (offload refuses CPU runs first)
             REGISTRY["zero"].check(Plan.parse(plan), ctx)
-    with pytest.raises(PlanError, match="both choose the sharding"):
+    with pytest.raises(PlanError, match="appears twice"):
         Plan.parse("zero:1+zero:3")
