@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .data import TextData
 from .plan import Plan, PlanError
@@ -121,13 +123,41 @@ def global_mean(x: float) -> float:
     return float(t) / dist.get_world_size()
 
 
+class CommCounter(TorchDispatchMode):
+    """Counts the bytes each collective moves through this rank (c10d ops seen by the dispatcher): the
+    full buffer of an all-gather (output), reduce-scatter (input), broadcast; an all-reduce counts twice
+    (a reduce-scatter then an all-gather, as the ZeRO paper counts it). ``bytes`` maps op -> bytes."""
+
+    WEIGHT = {"allreduce_": 2}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0]
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if "reduce_scatter" in name or "allreduce" in name or "broadcast" in name:
+                n = tensors[0].nbytes if "_base" in name or "tensor" in name else sum(t.nbytes for t in tensors[:1])
+                if "reduce_scatter" in name and "_base" in name:
+                    n = tensors[1].nbytes  # (output shard, input full)
+            else:  # all-gathers: the gathered output buffer
+                n = tensors[0].nbytes if "_base" in name or "into_tensor" in name else sum(t.nbytes for t in tensors[:-1])
+            self.bytes[name] = self.bytes.get(name, 0) + self.WEIGHT.get(name, 1) * n
+        return out
+
+
 def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: int, device: str | None,
                 seed: int = 0) -> list[dict[str, Any]]:
     """Run inside each rank: ``measure`` every plan on this rank's rows (several plans per spawn)."""
     records = []
     for plan in plans:
-        r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
-                    device=rank_device(device), seed=seed, data=RankData())
+        with CommCounter() as comm:
+            r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
+                        device=rank_device(device), seed=seed, data=RankData())
+        r["comm_bytes"] = {k: v // steps for k, v in comm.bytes.items()}  # per optimizer step
         ok = torch.tensor([int(bool(r["ok"]))])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank reaches the collective; failed ranks vote 0
         if ok.item():
@@ -143,7 +173,7 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     top = dict(max(ok, key=lambda r: r["peak_bytes"]) if len(ok) == len(ranks) else
                next(r for r in ranks if not r["ok"]))
     top["ok"] = len(ok) == len(ranks)
-    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "loss", "step_time_s", "ok", "error")}
+    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "comm_bytes", "loss", "step_time_s", "ok", "error")}
                        for r in ranks]
     return top
 
