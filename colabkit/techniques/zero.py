@@ -86,7 +86,11 @@ def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     stage = plan.get("zero")
     if stage == 1:
         ids = [ctx.device.index] if ctx.cuda and ctx.device.index is not None else None
+        for p in model.parameters():  # DDP turns existing .grad into views of its buckets: the buckets
+            if p.requires_grad and p.grad is None:  # are then gradients from the start (tracker, estimator)
+                p.grad = torch.zeros_like(p)
         # gradients are views of DDP's all-reduce buckets: one copy of them, as in single-process
+        # (plus, transiently, the one fresh gradient autograd hands over before it is copied in)
         return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
