@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colabkit import build_model, measure, weights_sha256
-from colabkit.distributed import backend_for, bench_sharded, consolidate, per_rank_batch, train_sharded
+from colabkit.distributed import backend_for, bench_sharded, consolidate, launch, per_rank_batch, train_ranks
 from colabkit.estimate import estimate
 from colabkit.plan import REGISTRY, Context, Plan, PlanError
 
@@ -83,12 +83,15 @@ def test_zero1_gradients_are_ddp_buckets_counted_once(runs):
     assert b1["other"] < 0.5 * b0["grads"]  # negative control: buckets beside the grads would be >= 4Ψ here
 
 
+def _resume_ranks(directory: str):
+    """In each rank (one spawn for three runs): 4 steps straight; 2 steps + checkpoint; resume to 4."""
+    run = lambda steps, ckpt, resume: train_ranks("gpt-tiny", "zero:3", steps, 4, 16, 0, "cpu", 3e-4,  # noqa: E731
+                                                  ckpt, 2 if ckpt else 0, resume)
+    return run(4, None, False), run(2, directory, False), run(4, directory, True)
+
+
 def test_sharded_resume_is_exact_and_consolidates(tmp_path):
-    kw = dict(world_size=WORLD, batch=4, seq=16, device="cpu")
-    full = train_sharded("gpt-tiny", "zero:3", steps=4, **kw)
-    first = train_sharded("gpt-tiny", "zero:3", steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2, **kw)
-    rest = train_sharded("gpt-tiny", "zero:3", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2,
-                         resume=True, **kw)
+    full, first, rest = launch(_resume_ranks, WORLD, str(tmp_path), device="cpu")[0]
     assert rest["weights_sha256"] == full["weights_sha256"] != first["weights_sha256"]  # negative control
     assert rest["losses"] == full["losses"][2:]
     model = build_model("gpt-tiny")
