@@ -37,5 +37,6 @@ from .techniques.offload import HostOptimizer, host_ram_guard, offloaded, stream
 from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora, nf4_bytes, save_adapters
 from .instruct import InstructData, generate
 from .hf import load_hf_4bit
+from .distributed import bench_sharded, consolidate, launch, train_sharded
 
 __version__ = "0.1.0"

@@ -10,7 +10,8 @@ under its own tracker; one record per plan carries the largest rank's breakdown 
 Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
 exactly) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
 
->>> r = bench_sharded("gpt-tiny", ["zero:3"], world_size=2, batch=2, seq=16, steps=1)[0]  # doctest: +SKIP
+>>> RankData(rank=1, world_size=2).batch(2, 8, step=0)[0].shape  # rows 2:4 of the global batch of 4
+torch.Size([2, 8])
 """
 from __future__ import annotations
 
@@ -178,6 +179,13 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return top
 
 
+def _sharded_only(plans: Sequence[str]) -> None:
+    for p in plans:
+        if "zero" not in Plan.parse(p):
+            raise PlanError(f"plan {p!r} has no zero:N token: on several ranks each would train its own copy; "
+                            "add zero:1, zero:2 or zero:3, or run it without --world-size")
+
+
 def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: int = 8, seq: int = 128,
                   steps: int = 2, device: str | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """``bench --world-size N``: one record per plan, measured on N processes in one spawn.
@@ -185,6 +193,7 @@ def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: 
     ``loss`` is the all-reduced mean over the ranks (the single-process loss of the same batch);
     ``breakdown``/``peak_bytes`` are the largest rank's, ``per_rank`` lists every rank's."""
     plans = [str(Plan.parse(p)) for p in plans]
+    _sharded_only(plans)
     per_rank_batch(batch, world_size)
     ranks = launch(bench_ranks, world_size, model, plans, batch, seq, steps, device, seed, device=device)
     return [_merge([ranks[r][i] for r in range(world_size)]) for i in range(len(plans))]
@@ -287,6 +296,7 @@ def train_sharded(model: str, plan: str, world_size: int = 2, steps: int = 10, b
                   checkpoint_every: int = 0, resume: bool = False) -> dict[str, Any]:
     """``train --world-size N``: rank 0's result (losses are global means; ``weights_sha256`` hashes the
     consolidated full weights, so it compares with a single-process run's)."""
+    _sharded_only([plan])
     per_rank_batch(batch, world_size)
     return launch(train_ranks, world_size, model, str(Plan.parse(plan)), steps, batch, seq, seed, device, lr,
                   checkpoint_dir, checkpoint_every, resume, device=device)[0]

@@ -115,3 +115,15 @@ def test_clear_refusals():
             REGISTRY["zero"].check(Plan.parse(plan), ctx)
     with pytest.raises(PlanError, match="appears twice"):
         Plan.parse("zero:1+zero:3")
+    with pytest.raises(PlanError, match="no zero:N token"):
+        bench_sharded(MODEL, ["baseline"], world_size=2, batch=8, device="cpu")
+    with pytest.raises(PlanError, match="world_size >= 2"):
+        estimate(MODEL, "zero:3", batch=8, seq=SEQ, device="cpu", gpu=None)
+
+
+def test_cli_world_size_refuses_before_spawning(capsys):
+    from colabkit.__main__ import main
+
+    assert main(["bench", "--model", MODEL, "--plan", "zero:1", "--batch", "7", "--world-size", "2",
+                 "--device", "cpu"]) == 2
+    assert "does not split over 2 ranks" in capsys.readouterr().err
