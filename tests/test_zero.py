@@ -19,14 +19,27 @@ MODEL, BATCH, SEQ, STEPS, WORLD = "gpt:2x128", 8, 32, 5, 2
 @pytest.fixture(scope="module")
 def runs():
     single = measure(MODEL, "baseline", batch=BATCH, seq=SEQ, steps=STEPS, device="cpu")
-    sharded = bench_sharded(MODEL, ["zero:1", "zero:2", "zero:3"], world_size=WORLD, batch=BATCH, seq=SEQ,
-                            steps=STEPS, device="cpu")
+    sharded = bench_sharded(MODEL, ["zero:1", "zero:2", "zero:3", COMPOSED], world_size=WORLD, batch=BATCH,
+                            seq=SEQ, steps=STEPS, device="cpu")
     return single, {r["plan"]: r for r in sharded}
+
+
+COMPOSED = "zero:3+checkpoint+compress:int8+accum:2"
+
+
+def test_composes_with_checkpoint_compress_accum(runs):
+    _, sharded = runs
+    alone = measure(MODEL, COMPOSED.partition("+")[2], batch=BATCH, seq=SEQ, steps=STEPS, device="cpu")
+    r = sharded[COMPOSED]
+    assert r["ok"], r["error"]
+    assert abs(r["loss"] - alone["loss"]) / alone["loss"] < 1e-4
 
 
 def test_loss_parity_after_five_steps(runs):
     single, sharded = runs
     for plan, r in sharded.items():
+        if plan == COMPOSED:
+            continue
         assert r["ok"], r["error"]
         assert len(r["per_rank"]) == WORLD
         assert abs(r["loss"] - single["loss"]) / single["loss"] < 1e-4, plan

@@ -59,7 +59,7 @@ def _check(plan: Plan, ctx: Context) -> None:
     for other, why in (("fused-step", "steps each parameter inside backward, before its gradient is "
                                       "reduced across ranks"),
                        ("qlora", "4-bit bitsandbytes weights cannot be sharded by FSDP2 / DDP here"),
-                       ("compress", "its saved-tensor hooks are untested with sharded parameters")):
+                       ):
         if other in plan:
             raise PlanError(f"{tok!r} with {other!r}: {why}; drop one of them")
     if "fp16" in plan and stage > 1:
