@@ -40,5 +40,6 @@ from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora,
 from .instruct import InstructData, generate
 from .hf import load_hf_4bit
 from .structured import HODLRMatrix, SemiseparableMatrix, SemiseparableMixing, structured_gpt, structured_report
+from .distributed import bench_sharded, consolidate, launch, train_sharded
 
 __version__ = "0.1.0"

@@ -61,6 +61,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--t4", action="store_true", help="emulate a T4 on a bigger GPU (memory cap, no bf16/flash)")
     p.add_argument("--offload-sim", action="store_true",
                    help="on a CPU, simulate offload tokens (a distinct host side; host_bytes in the record)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks for sharded plans (zero:1|2|3): one process each")
 
 
 @subcommand("bench", "measure plans on a model: peak memory, breakdown, step time, loss", _bench_args, bench_table)
@@ -69,6 +70,12 @@ def _bench(args: argparse.Namespace) -> dict:
 
     if args.t4:
         emulate_t4()
+    if getattr(args, "world_size", 1) > 1:
+        from .distributed import bench_sharded
+
+        results = bench_sharded(args.model, args.plan or ["baseline"], world_size=args.world_size, batch=args.batch,
+                                seq=args.seq, steps=args.steps, device=args.device, seed=args.seed)
+        return {"env": env(), "world_size": args.world_size, "results": results}
     results = [measure(args.model, p, batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, seed=args.seed,
                        offload_sim=args.offload_sim)
                for p in (args.plan or ["baseline"])]
@@ -104,6 +111,13 @@ def _train(args: argparse.Namespace) -> dict:
         raise SystemExit("train takes one --plan")
     if args.t4:
         emulate_t4()
+    if args.world_size > 1:
+        from .distributed import train_sharded
+
+        return train_sharded(args.model, (args.plan or ["baseline"])[0], world_size=args.world_size, steps=args.steps,
+                             batch=args.batch, seq=args.seq, seed=args.seed, device=args.device, lr=args.lr,
+                             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                             resume=args.resume)
     out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),

@@ -51,9 +51,14 @@ def register_cli(subcommand) -> None:
     """Add the ``estimate``, ``plan``, ``largest`` and ``calibrate`` subcommands with the CLI's ``subcommand`` decorator
     (called by ``colabkit.__main__.main``; importing the CLI from here would load it twice under -m)."""
 
-    @subcommand("estimate", "predicted peak memory of a run, without allocating it", _args, _table)
+    def estimate_args(p):
+        _args(p)
+        p.add_argument("--world-size", type=int, default=1, help="per-rank bytes of a zero:1|2|3 plan on N ranks")
+
+    @subcommand("estimate", "predicted peak memory of a run, without allocating it", estimate_args, _table)
     def _estimate(args):
-        return estimate(args.model, args.plan, batch=args.batch, seq=args.seq, gpu=args.gpu, device=args.device)
+        return estimate(args.model, args.plan, batch=args.batch, seq=args.seq, gpu=args.gpu, device=args.device,
+                        world_size=args.world_size)
 
     def plan_args(p):
         _args(p, plan=False)

@@ -23,12 +23,14 @@ from ..plan import REGISTRY, Context, Plan
 from ..techniques.disk_offload import CHUNK_ELEMS, disk_state_bytes, offload_dir
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
+from .zero import for_rank, zero_per_rank
 from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_as_gpu, trace_with_substitutes
 
 
 def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "baseline", batch: int = 8,
              seq: int = 128, gpu: str | None = "t4", device: str | None = None, steps: int = 2,
-             budget_bytes: int | None = None, calibration: dict[str, Any] | bool = True) -> dict[str, Any]:
+             budget_bytes: int | None = None, calibration: dict[str, Any] | bool = True,
+             world_size: int = 1) -> dict[str, Any]:
     """Predicted peak and per-category breakdown of a training run, on a GPU profile or on the CPU.
 
     ``device="cpu"`` predicts a CPU ``bench`` run (what CI checks); ``gpu="t4"`` (or another key of
@@ -46,6 +48,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     """
     profile = _profile(gpu, device)
     plan = Plan.parse(plan)
+    sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
     with _as_t4(profile):
         traced_plan, offload = _split_gpu_tokens(plan, profile)
@@ -58,6 +61,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                    CUDA_ALLOC_ROUND if profile else 1, notes, profile)
+    _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
@@ -87,7 +91,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         budget = budget_bytes or _budget_bytes()
     extra, uncertainty = _overheads.total(terms)
     out = {"model": model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom"),
-           "plan": str(plan), "batch": batch, "seq": seq, "device": "cpu" if profile is None else gpu,
+           "plan": str(sharded_plan), "batch": batch, "world_size": world_size, "seq": seq, "device": "cpu" if profile is None else gpu,
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
            "breakdown": {c: int(br[c]) for c in CATEGORIES}, "at_peak": {c: int(at[c]) for c in CATEGORIES},
            "peak_phase": t["peak_phase"], "host_bytes": int(host), "budget_bytes": int(budget),
@@ -151,6 +155,19 @@ def preset_vs_hub(name: str) -> str | None:
     if not diffs:
         return None
     return f"preset {name} vs hf:{PRESET_HUB[name]}: " + "; ".join(diffs) + f" -- estimate hf:{PRESET_HUB[name]} for the hub model"
+
+
+def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
+    """Apply :func:`.zero.zero_per_rank` to every breakdown of a trace (own peaks, the peak's composition,
+    each phase), so the rest of :func:`estimate` sees one rank."""
+    if not stage or world_size < 2:
+        return
+    for d in [t] + list(t["phase_peaks"].values()):
+        for k in ("breakdown", "own"):
+            if k in d:
+                d[k] = zero_per_rank(d[k], stage, world_size)
+        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
+        d["peak_bytes" if d is t else "peak"] = sum(d["at_peak"].values())
 
 
 def _disk_split(t: dict[str, Any], notes: list[str]) -> int:

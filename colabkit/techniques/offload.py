@@ -642,7 +642,7 @@ def _check(plan: Plan, ctx: Context) -> None:
 
 
 def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
-    if "params" in plan.get("offload", ()):
+    if "params" in plan.get("offload", ()) and "zero" not in plan:  # zero:3: FSDP2's CPUOffloadPolicy does it
         return stream_blocks(model, ctx.device, prefetch=PREFETCH)
     return model
 
@@ -652,7 +652,7 @@ def _forward_context(plan: Plan, ctx: Context):
 
 
 def _wrap(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> Any:
-    if "optimizer" in plan.get("offload", ()):
+    if "optimizer" in plan.get("offload", ()) and "zero" not in plan:  # zero:3: FSDP2's CPUOffloadPolicy
         return _offload_optimizer(optimizer, model, plan, ctx)
     if "params" in plan.get("offload", ()):
         return HostStateOptimizer(optimizer)

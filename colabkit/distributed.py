@@ -1,0 +1,302 @@
+"""Run colabkit on N processes (one per rank) for the sharded plans ``zero:1|2|3``.
+
+:func:`launch` spawns ``world_size`` processes on a free loopback port (``MASTER_ADDR=127.0.0.1``),
+starts the process group (gloo on the CPU, nccl with one GPU per rank), runs ``fn(*args)`` in each
+and returns every rank's result. It works from a notebook: the processes are *spawned*, so ``fn``
+must be importable (a colabkit function such as :func:`bench_ranks`, not one defined in a cell).
+
+:func:`bench_sharded` is ``bench --world-size N``: each rank measures its 1/N of the effective batch
+under its own tracker; one record per plan carries the largest rank's breakdown and ``per_rank``.
+Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
+exactly) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
+
+>>> RankData(rank=1, world_size=2).batch(2, 8, step=0)[0].shape  # rows 2:4 of the global batch of 4
+torch.Size([2, 8])
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .data import TextData
+from .plan import Plan, PlanError
+from .train import measure
+from .trainer import Trainer, load_model, weights_sha256
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str | None, world_size: int) -> str:
+    """gloo for CPU ranks, nccl for one GPU per rank; a clear error when there are fewer GPUs than ranks.
+
+    >>> backend_for("cpu", 2)
+    'gloo'
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        return "gloo"
+    n = torch.cuda.device_count()
+    if world_size > n:
+        raise PlanError(f"world size {world_size} on nccl needs {world_size} GPUs, this machine has {n}: "
+                        f"use --world-size {max(n, 1)} (Kaggle offers 2xT4), or --device cpu to simulate ranks "
+                        "as CPU processes")
+    return "nccl"
+
+
+def rank_device(device: str | None) -> str:
+    """This rank's device: ``cuda:<rank>`` on nccl, else ``cpu``."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{dist.get_rank() if dist.is_initialized() else 0}"
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:  # ranks share the CPU cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` spawned processes inside one process group; returns each
+    rank's result (rank 0 first). ``fn`` must be importable by the new processes (not notebook-defined)."""
+    backend = backend_for(device, world_size)
+    with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
+        mp.start_processes(_entry, args=(world_size, free_port(), backend, out, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class RankData:
+    """This rank's rows of the effective batch: ``batch(b, ...)`` draws the global batch of
+    ``b * world_size`` sequences (the same one a single process sees) and keeps rows rank*b:(rank+1)*b."""
+
+    def __init__(self, data: TextData | None = None, rank: int | None = None, world_size: int | None = None):
+        self.data = data or TextData()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+
+    def batch(self, batch: int, seq: int, step: int, seed: int = 0, device: str | torch.device = "cpu"):
+        x, y = self.data.batch(batch * self.world_size, seq, step=step, seed=seed, device=device)
+        rows = slice(self.rank * batch, (self.rank + 1) * batch)
+        return x[rows], y[rows]
+
+
+def per_rank_batch(batch: int, world_size: int) -> int:
+    """The micro-batch of each rank; a clear error when the batch does not split evenly.
+
+    >>> per_rank_batch(8, 2)
+    4
+    """
+    if batch % world_size:
+        raise PlanError(f"batch {batch} does not split over {world_size} ranks: use a batch divisible by "
+                        f"{world_size} (e.g. {max(world_size, batch - batch % world_size)})")
+    return batch // world_size
+
+
+def global_mean(x: float) -> float:
+    """The mean of ``x`` over the ranks (all-reduce): equal token counts per rank make it the global loss."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the bytes each collective moves through this rank (c10d ops seen by the dispatcher): the
+    full buffer of an all-gather (output), reduce-scatter (input), broadcast; an all-reduce counts twice
+    (a reduce-scatter then an all-gather, as the ZeRO paper counts it). ``bytes`` maps op -> bytes."""
+
+    WEIGHT = {"allreduce_": 2}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0]
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if "reduce_scatter" in name or "allreduce" in name or "broadcast" in name:
+                n = tensors[0].nbytes if "_base" in name or "tensor" in name else sum(t.nbytes for t in tensors[:1])
+                if "reduce_scatter" in name and "_base" in name:
+                    n = tensors[1].nbytes  # (output shard, input full)
+            else:  # all-gathers: the gathered output buffer
+                n = tensors[0].nbytes if "_base" in name or "into_tensor" in name else sum(t.nbytes for t in tensors[:-1])
+            self.bytes[name] = self.bytes.get(name, 0) + self.WEIGHT.get(name, 1) * n
+        return out
+
+
+def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: int, device: str | None,
+                seed: int = 0) -> list[dict[str, Any]]:
+    """Run inside each rank: ``measure`` every plan on this rank's rows (several plans per spawn)."""
+    records = []
+    for plan in plans:
+        with CommCounter() as comm:
+            r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
+                        device=rank_device(device), seed=seed, data=RankData())
+        r["comm_bytes"] = {k: v // steps for k, v in comm.bytes.items()}  # per optimizer step
+        ok = torch.tensor([int(bool(r["ok"]))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank reaches the collective; failed ranks vote 0
+        if ok.item():
+            r["loss"] = global_mean(r["loss"])
+        r.update(batch=batch, rank=dist.get_rank(), world_size=dist.get_world_size())
+        records.append(r)
+    return records
+
+
+def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bench record for a plan: the largest rank's figures, every rank's in ``per_rank``."""
+    ok = [r for r in ranks if r["ok"]]
+    top = dict(max(ok, key=lambda r: r["peak_bytes"]) if len(ok) == len(ranks) else
+               next(r for r in ranks if not r["ok"]))
+    top["ok"] = len(ok) == len(ranks)
+    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "comm_bytes", "loss", "step_time_s", "ok", "error")}
+                       for r in ranks]
+    return top
+
+
+def _sharded_only(plans: Sequence[str]) -> None:
+    for p in plans:
+        if "zero" not in Plan.parse(p):
+            raise PlanError(f"plan {p!r} has no zero:N token: on several ranks each would train its own copy; "
+                            "add zero:1, zero:2 or zero:3, or run it without --world-size")
+
+
+def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: int = 8, seq: int = 128,
+                  steps: int = 2, device: str | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """``bench --world-size N``: one record per plan, measured on N processes in one spawn.
+
+    ``loss`` is the all-reduced mean over the ranks (the single-process loss of the same batch);
+    ``breakdown``/``peak_bytes`` are the largest rank's, ``per_rank`` lists every rank's."""
+    plans = [str(Plan.parse(p)) for p in plans]
+    _sharded_only(plans)
+    per_rank_batch(batch, world_size)
+    ranks = launch(bench_ranks, world_size, model, plans, batch, seq, steps, device, seed, device=device)
+    return [_merge([ranks[r][i] for r in range(world_size)]) for i in range(len(plans))]
+
+
+# ----- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------
+def _zero1(trainer: Trainer) -> bool:
+    return trainer.plan.get("zero") == 1
+
+
+def save_sharded(trainer: Trainer, directory: str) -> str:
+    """Write a sharded run's state: model (and FSDP2 optimizer) shards through DCP into
+    ``directory/dcp`` (each rank writes its own shards), plus each rank's step, RNG and, for zero:1,
+    its ZeroRedundancyOptimizer shard in ``directory/rank<r>.pt``. Call on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(trainer.model)}
+    if not _zero1(trainer):
+        state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
+    local = {"step": trainer.step_count, "plan": str(trainer.plan), "rng_cpu": torch.get_rng_state(),
+             "world_size": dist.get_world_size(),
+             "optim": trainer.optimizer.optim.state_dict() if _zero1(trainer) else None}
+    path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
+    torch.save(local, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    dist.barrier()
+    return directory
+
+
+def load_sharded(trainer: Trainer, directory: str) -> bool:
+    """Resume a sharded run written by :func:`save_sharded` (same plan and world size); False if none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
+    if not os.path.exists(path):
+        return False
+    local = torch.load(path, weights_only=False)
+    if local["plan"] != str(trainer.plan) or local["world_size"] != dist.get_world_size():
+        raise PlanError(f"checkpoint in {directory} was written by plan {local['plan']!r} on {local['world_size']} "
+                        f"ranks; this run is {str(trainer.plan)!r} on {dist.get_world_size()}: resume with the same "
+                        "plan and world size, or consolidate() it and start from the weights")
+    state: dict[str, Any] = {"model": get_model_state_dict(trainer.model)}
+    if not _zero1(trainer):
+        state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))  # in place, into this rank's shards
+    set_model_state_dict(trainer.model, state["model"])
+    if _zero1(trainer):
+        trainer.optimizer.optim.load_state_dict(local["optim"])
+    else:
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+    torch.set_rng_state(local["rng_cpu"])
+    trainer.step_count = local["step"]
+    return True
+
+
+def consolidate(directory: str, out_path: str | None = None) -> dict[str, torch.Tensor]:
+    """The full model state dict of a sharded checkpoint, in one process (no process group needed),
+    via ``dcp_to_torch_save``; ``model.load_state_dict(consolidate(d))`` gives the trained model for
+    inference on one GPU or the CPU."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out_path = out_path or os.path.join(directory, "consolidated.pt")
+    dcp_to_torch_save(os.path.join(directory, "dcp"), out_path)
+    return torch.load(out_path, weights_only=False)["model"]
+
+
+def train_ranks(model: str, plan: str, steps: int, batch: int, seq: int, seed: int, device: str | None,
+                lr: float, checkpoint_dir: str | None, checkpoint_every: int, resume: bool) -> dict[str, Any]:
+    """Run inside each rank: a training run on this rank's rows, global-mean losses, sharded checkpoints."""
+    dev = rank_device(device)
+    torch.manual_seed(seed)
+    trainer = Trainer(load_model(model, plan, seq=seq, device=dev), plan, device=dev, lr=lr, model_name=model)
+    if resume and checkpoint_dir:
+        load_sharded(trainer, checkpoint_dir)
+    data, losses = RankData(), []
+    for step in range(trainer.step_count, steps):
+        x, y = data.batch(batch // dist.get_world_size(), seq, step=step, seed=seed, device=dev)
+        losses.append(global_mean(trainer.step(x, y)))
+        if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            save_sharded(trainer, checkpoint_dir)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"step": trainer.step_count, "loss": losses[-1] if losses else None, "losses": losses,
+            "weights_sha256": _state_sha256(full) if dist.get_rank() == 0 else None}
+
+
+def _state_sha256(state: dict[str, torch.Tensor]) -> str:
+    holder = torch.nn.Module()  # weights_sha256 hashes a module's state dict: give it one
+    holder.state_dict = lambda: state  # type: ignore[method-assign]
+    return weights_sha256(holder)
+
+
+def train_sharded(model: str, plan: str, world_size: int = 2, steps: int = 10, batch: int = 8, seq: int = 128,
+                  seed: int = 0, device: str | None = None, lr: float = 3e-4, checkpoint_dir: str | None = None,
+                  checkpoint_every: int = 0, resume: bool = False) -> dict[str, Any]:
+    """``train --world-size N``: rank 0's result (losses are global means; ``weights_sha256`` hashes the
+    consolidated full weights, so it compares with a single-process run's)."""
+    _sharded_only([plan])
+    per_rank_batch(batch, world_size)
+    return launch(train_ranks, world_size, model, str(Plan.parse(plan)), steps, batch, seq, seed, device, lr,
+                  checkpoint_dir, checkpoint_every, resume, device=device)[0]
