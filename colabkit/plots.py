@@ -319,8 +319,8 @@ def _legend_colors(ax) -> set[str]:
 
 
 def audit(fig) -> list[str]:
-    """What makes ``fig`` hard to read: an axes without x/y labels, a y label without a unit in
-    parentheses, no title (axes or figure), or a colour drawn that no legend names. [] when fine.
+    """What makes ``fig`` hard to read: an axes without x/y labels, no unit in parentheses on either
+    axis label, no title (axes or figure), or a colour drawn that no legend names. [] when fine.
 
     >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
     >>> fig, ax = plt.subplots(); _ = ax.plot([0, 1], [0, 1], color="red")
@@ -343,7 +343,7 @@ def audit(fig) -> list[str]:
         ylabel = ax.get_ylabel()
         if not ylabel:
             problems.append(f"axes {k}: no y label")
-        elif "(" not in ylabel:
+        elif "(" not in ylabel and "(" not in ax.get_xlabel():  # the value axis names its unit (x for barh)
             problems.append(f"axes {k}: y label {ylabel!r} has no unit in parentheses")
         missing = _colors_used(ax) - legend_colors
         if missing:

@@ -43,3 +43,14 @@ def test_notebook_skeleton(path):
     assert any("widgets" in _src(c) for c in code), f"{name}: an interactive section"
     assert any("takeaway" in _src(c).lower() for c in cells if c["cell_type"] == "markdown"), f"{name}: takeaways"
     assert nb.get("metadata", {}).get("kernelspec", {}).get("name") == "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_every_chart_passes_the_readability_audit(path):
+    """Charts are shown with colabkit.plots.show, which asserts axis labels with units, a title and a legend
+    for every colour (plots.audit) when the notebook runs; a bare plt.show() would skip that check."""
+    with open(path) as f:
+        code = "\n".join(_src(c) for c in json.load(f)["cells"] if c["cell_type"] == "code")
+    assert "plt.show()" not in code and "plt.figure(" not in code, "show figures with colabkit.plots.show(fig)"
+    draws = re.findall(r"plot_breakdown\(|pareto\(|plt\.subplots\(", code)
+    assert len(re.findall(r"\bshow\(", code)) >= min(1, len(draws)), "a chart is drawn but never shown through show()"

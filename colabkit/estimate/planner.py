@@ -121,7 +121,7 @@ def plans(model_fn, batch: int = 1, seq: int = 1024, gpu: str | None = "t4", dev
     return sorted(rows, key=lambda r: (not r["fits"], r["overhead"] if r["overhead"] is not None else 9e9))
 
 
-def pareto(rows: list[dict[str, Any]], ax=None, budget_bytes: int | None = None):
+def pareto(rows: list[dict[str, Any]], ax=None, budget_bytes: int | None = None, title: str = ""):
     """Memory vs step-time overhead of each plan, the Pareto front joined, the budget as a line."""
     import matplotlib.pyplot as plt
 
@@ -141,6 +141,9 @@ def pareto(rows: list[dict[str, Any]], ax=None, budget_bytes: int | None = None)
         ax.axhline(budget_bytes / GiB, color="gray", ls=":", label="budget")
     ax.set_xlabel("predicted step-time overhead vs baseline (%)")
     ax.set_ylabel("predicted peak (GiB)")
+    ax.scatter([], [], color="tab:green", label="fits")
+    ax.scatter([], [], color="tab:red", label="does not fit")
+    ax.set_title(title or "plans: predicted memory vs step-time cost", fontsize=9)
     ax.legend(fontsize=8)
     return ax
 
