@@ -386,7 +386,7 @@ def nbytes(text: str) -> float:
 
 def row_sizes(text: str, first: str) -> list[float]:
     """The byte sizes on the line starting with `first` (the last such line)."""
-    lines = [ln for ln in text.splitlines() if ln.startswith(first)]
+    lines = [ln for ln in text.splitlines() if ln.split(" ", 1)[0] == first]  # "optimizer", not "optimizer_step"
     assert lines, f"no line starting with {first!r} in:\n{text}"
     return [nbytes(m.group(0)) for m in _SIZE.finditer(lines[-1])]
 
