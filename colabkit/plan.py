@@ -38,6 +38,9 @@ class Context:
     lr: float = 3e-4
     weight_decay: float = 0.1
     max_grad_norm: float | None = None
+    # Set by techniques that compute in fp16 (fp16; lora/qlora on a GPU without bf16): the Trainer's
+    # GradScaler is enabled by this value, so small gradients do not underflow in fp16.
+    loss_scaling: bool = False
 
     @property
     def cuda(self) -> bool:
