@@ -335,6 +335,8 @@ class MemoryTracker:
 
     # ----- bookkeeping ------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
+        if getattr(t, "is_paged", False):  # bitsandbytes paged state: CUDA managed memory seen as a CPU tensor
+            return self.is_cuda and self.device.index in (None, getattr(t, "page_deviceid", None) or 0)
         d = t.device
         return d.type == self.device.type and (self.device.index is None or d.index in (None, self.device.index))
 

@@ -125,6 +125,15 @@ class GPT(nn.Module):
             if name.endswith(("proj.weight", "fc_proj.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """Initialise one module's own weights as ``__init__`` does (same distributions), for models
+        built on the meta device and materialised module by module (:func:`materialize`)."""
+        self._init(m)
+        if isinstance(m, nn.Linear) and name.endswith("proj"):  # attn.proj, fc_proj: GPT-2's scaled init
+            nn.init.normal_(m.weight, 0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
+        elif isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -249,6 +258,76 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
 
 
 register_family("hf:", _hf_builder)
+
+
+# ----- meta build: a model that never exists in full precision ------------------------------------
+def module_initializer(model: nn.Module) -> Callable[[str, nn.Module], None]:
+    """``init(name, module)`` giving one module the weights its model's own init gives it: the GPT's
+    init, or a Hugging Face model's ``_init_weights`` (what ``post_init`` applies module by module)."""
+    if isinstance(model, GPT):
+        return model.init_module
+    if hasattr(model, "_init_weights"):
+        return lambda name, m: model._init_weights(m)
+    raise ValueError(f"no per-module initialiser known for {type(model).__name__}: build it normally")
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                convert: Callable[[str, nn.Module], nn.Module | None] | None = None) -> nn.Module:
+    """Give a model built on the meta device real weights one module at a time, in place: each module's
+    own tensors are allocated on ``device`` and initialised by the model's init; ``convert(name, module)``
+    may then replace the module (never one holding a tied weight) (e.g. by a 4-bit layer), else its floating parameters are cast to
+    ``dtype``. Peak extra memory is one module in fp32; tied parameters stay tied.
+
+    >>> with torch.device("meta"):
+    ...     m = build_model("gpt-tiny")
+    >>> m = materialize(m, dtype=torch.bfloat16)
+    >>> m.lm_head.weight is m.wte.weight, m.blocks[0].fc.weight.dtype, round(float(m.wpe.weight.std()), 2)
+    (True, torch.bfloat16, 0.02)
+    """
+    init = module_initializer(model)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    tied: dict[int, nn.Parameter] = {}  # id(shared meta parameter) -> its real parameter
+    for name in [n for n, _ in model.named_modules()]:  # names only: a replaced module must be freed
+        m = model.get_submodule(name)
+        new = shared = False
+        for key, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            shared = shared or uses[id(p)] > 1
+            real = tied.get(id(p))
+            if real is None:
+                real, new = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad), True
+                if uses[id(p)] > 1:
+                    tied[id(p)] = real
+            m._parameters[key] = real
+        for key, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[key], new = torch.empty_like(b, device=device), True
+        if not new:
+            continue
+        init(name, m)
+        replaced = convert(name, m) if convert is not None and not shared else None  # tied: never converted
+        if replaced is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, replaced)
+            del m, replaced  # the fp32 layer goes now
+        elif dtype is not None:
+            for p in m.parameters(recurse=False):  # buffers (RoPE's inv_freq) keep their precision
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"materialize left {left[:3]} on the meta device")
+    return model
+
+
+def build_meta(name: str, seq: int | None = None) -> nn.Module:
+    """``build_model(name)`` on the meta device: shapes only, no memory, no RNG drawn."""
+    with torch.device("meta"):
+        return build_model(name, seq=seq)
 
 
 def logits_of(out: Any) -> torch.Tensor:

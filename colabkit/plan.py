@@ -40,6 +40,9 @@ class Context:
     max_grad_norm: float | None = None
     model: Any = None  # the model being trained, once built (optimizers that need names, e.g. adam-mini)
     offload_sim: bool = False  # offload tokens on a CPU run: simulated host side (techniques/offload.py)
+    # Set by techniques that compute in fp16 (fp16; lora/qlora on a GPU without bf16): the Trainer's
+    # GradScaler is enabled by this value, so small gradients do not underflow in fp16.
+    loss_scaling: bool = False
 
     @property
     def cuda(self) -> bool:

@@ -104,8 +104,8 @@ class Trainer:
             if t.wrap_optimizer is not None:
                 self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
         self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
-        # fp16 needs loss scaling; with any other precision the scaler is a no-op (scale stays 1.0).
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled="fp16" in self.plan)
+        # fp16 compute needs loss scaling (techniques set ctx.loss_scaling); otherwise a no-op (scale 1.0).
+        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled=self.ctx.loss_scaling)
         self.accum = self.plan.get("accum", 1)
         self.tracker = tracker
         self.step_count = 0

@@ -50,16 +50,36 @@ def test_grads_never_coexist_measured():
     assert all(p.grad is None for p in params)
 
 
-def test_state_dict_is_the_plain_optimizers():
+@pytest.mark.parametrize("lr,ok", [(3e-4, True), (6e-4, False)], ids=["same", "other-lr"])
+def test_state_dict_is_the_plain_optimizers(lr, ok):
+    """fused-step's saved state equals an independently run plain AdamW's (moments after 2 steps), and a
+    plain optimizer that loads it continues exactly as fused-step does. Negative control: fused-step taking
+    its third step with another lr is detected by the same weight comparison."""
     fused, _ = _run("fused-step", steps=2)
     plain, _ = _run("baseline", steps=2)
+    fused.optimizer.param_groups[0]["lr"] = lr  # only affects the negative control's next step
+    state = fused.optimizer.state_dict()["state"]
+    ref = plain.optimizer.state_dict()["state"]
+    assert state.keys() == ref.keys()
+    same = all(torch.allclose(state[k][n], ref[k][n], rtol=1e-5, atol=1e-9)
+               for k in ref for n in ("exp_avg", "exp_avg_sq"))
+    assert same  # two identical runs: the saved moments are the plain optimizer's
+    # resume: a fresh plain Trainer loads fused's model + optimizer state, then both take a third step
     buf = io.BytesIO()
-    torch.save(fused.optimizer.state_dict(), buf)
+    torch.save({"model": fused.model.state_dict(), "opt": fused.optimizer.state_dict()}, buf)
     buf.seek(0)
-    plain.optimizer.load_state_dict(torch.load(buf))
-    for p, q in zip(plain.model.parameters(), fused.model.parameters()):
-        a, b = plain.optimizer.state[p], fused.optimizer.state[q]
-        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    saved = torch.load(buf)
+    torch.manual_seed(0)
+    resumed = Trainer(build_model(MODEL, seq=32), "baseline", device="cpu")
+    resumed.model.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(saved["opt"])
+    resumed.optimizer.param_groups[0]["lr"] = resumed.optimizer.param_groups[1]["lr"] = 3e-4
+    x, y = TextData().batch(4, 32, step=2)
+    fused.step(x, y)
+    resumed.step(x, y)
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                for a, b in zip(resumed.model.parameters(), fused.model.parameters()))
+    assert close == ok
 
 
 @pytest.mark.parametrize("plan,kw,match", [

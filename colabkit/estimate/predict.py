@@ -190,8 +190,14 @@ def _disk_split(t: dict[str, Any], notes: list[str]) -> int:
 
 def _build_bytes(model_fn: Any, plan: Plan, params: int) -> int:
     """Device bytes of the model as colabkit builds it for ``plan`` before applying it: fp32 on the GPU,
-    except ``qlora`` with an ``hf:<id>`` model, which loads straight into 4-bit."""
-    if "qlora" in plan and isinstance(model_fn, str) and model_fn.startswith("hf:"):
+    except where it never exists in fp32 -- ``qlora`` with an ``hf:<id>`` model loads straight into 4-bit,
+    and ``lora``/``qlora`` on GPT presets, ``gpt:``/``llama:`` shapes are built on the meta device and
+    materialised layer by layer into NF4 / 16 bits (colabkit.techniques.lora), so the step's own
+    parameter bytes are the build's too (0: nothing beyond the step)."""
+    name = model_fn if isinstance(model_fn, str) else ""
+    if "qlora" in plan and name.startswith("hf:"):
+        return 0
+    if ("lora" in plan or "qlora" in plan) and not name.startswith("hf:") and name:
         return 0
     return 4 * params
 

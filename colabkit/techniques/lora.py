@@ -1,8 +1,10 @@
 """LoRA and QLoRA: train rank-R adapters (peft) on a frozen base; ``qlora`` stores the base's linear
 layers in 4-bit NF4 with double quantization (bitsandbytes).
 
-Plan tokens: ``lora:R`` (16-bit frozen base: fp16 on CUDA, bf16 on the CPU) and ``qlora:R`` (NF4 base,
-compute dtype fp16 on CUDA, fp32 on the CPU). Targets default to the architecture's attention and MLP
+Plan tokens: ``lora:R`` (16-bit frozen base) and ``qlora:R`` (NF4 base), computing in bf16 on a GPU with
+bf16 units and fp16 on one without (T4: with a GradScaler, ``ctx.loss_scaling``); on the CPU in bf16 (lora)
+and fp32 (qlora). GPT presets, ``gpt:LxD`` and ``llama:LxD`` are built on the meta device and materialised
+layer by layer straight into NF4 / 16 bits (:func:`build_frozen`), so the fp32 model never exists. Targets default to the architecture's attention and MLP
 projections; ``lora:R:attn``, ``lora:R:mlp``, ``lora:R:all`` or ``lora:R:q_proj,v_proj`` override them.
 Only adapters train, so gradients and optimizer state shrink to the adapters' size (about
 ``R·(d_in+d_out)`` per target instead of ``d_in·d_out``).
@@ -22,6 +24,8 @@ import torch
 import torch.nn as nn
 
 from .. import hf as _hf  # noqa: F401  (registers the llama:LxD family)
+from ..env import native_bf16
+from ..models import build_meta, gpt_config, materialize
 from ..plan import Context, Plan, PlanError, Technique, register
 
 # Target modules per architecture: attention projections, MLP projections.
@@ -116,19 +120,51 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, 
         counts[id(p)] = counts.get(id(p), 0) + 1
     for parent in list(model.modules()):
         for cname, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or cname in skip or counts.get(id(child.weight), 0) > 1:
+            if counts.get(id(getattr(child, "weight", None)), 0) > 1:
                 continue
-            with torch.device("meta"):  # no throwaway fp32 weight
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
-            w = child.weight.detach().to(torch.float32 if compute_dtype == torch.float32 else torch.float16)
-            q.weight = bnb.nn.Params4bit(w.cpu() if torch.device(device).type == "cuda" else w, requires_grad=False,
-                                         compress_statistics=True, quant_type="nf4", blocksize=blocksize).to(device)
-            if child.bias is not None:
-                q.bias = nn.Parameter(child.bias.detach().to(device), requires_grad=False)
-            setattr(parent, cname, q)
-            del child, w
+            q = to_4bit(cname, child, compute_dtype, device, skip, blocksize)
+            if q is not None:
+                setattr(parent, cname, q)
+            del child, q
     return model
+
+
+def to_4bit(name: str, child: nn.Module, compute_dtype: torch.dtype = torch.float32,
+            device: str | torch.device = "cpu", skip: Iterable[str] = SKIP, blocksize: int = 64) -> nn.Module | None:
+    """A frozen NF4 ``Linear4bit`` (double quantization) computing what the ``nn.Linear`` ``child``
+    computes, quantized on ``device``; None for anything else or a name in ``skip``."""
+    import bitsandbytes as bnb
+
+    if type(child) is not nn.Linear or name.rsplit(".", 1)[-1] in set(skip):
+        return None
+    with torch.device("meta"):  # no throwaway fp32 weight
+        q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                              compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
+    w = child.weight.detach().to(torch.float32 if compute_dtype == torch.float32 else torch.float16)
+    q.weight = bnb.nn.Params4bit(w.cpu() if torch.device(device).type == "cuda" else w, requires_grad=False,
+                                 compress_statistics=True, quant_type="nf4", blocksize=blocksize).to(device)
+    if child.bias is not None:
+        q.bias = nn.Parameter(child.bias.detach().to(device, compute_dtype), requires_grad=False)
+    q.support_avx512bf16_for_cpu = False  # see apply_lora: keep one packed format on the CPU
+    return q
+
+
+def build_frozen(name: str, seq: int | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, quantize: bool = False) -> nn.Module:
+    """A GPT preset, ``gpt:LxD`` or ``llama:LxD`` built on the meta device and materialised layer by
+    layer on ``device``: linear layers straight into NF4 (``quantize``, the rest in ``dtype``, the
+    compute dtype) or every weight in ``dtype`` (a 16-bit LoRA base). Neither host nor device ever
+    holds the full-precision model: the extra memory is one layer in fp32. Weights follow the model's
+    own init (same distributions as :func:`colabkit.build_model`; the random draws come in another
+    order, so the same seed gives other values).
+
+    >>> m = build_frozen("gpt-tiny", dtype=torch.float32, quantize=True)
+    >>> type(m.blocks[0].fc).__name__, m.wte.weight.dtype
+    ('Linear4bit', torch.float32)
+    """
+    convert = (lambda n, m: to_4bit(n, m, dtype, device)) if quantize else None
+    model = materialize(build_meta(name, seq=seq), device=device, dtype=dtype, convert=convert)
+    return model.requires_grad_(False)
 
 
 # ----- adapters ----------------------------------------------------------------------------------
@@ -335,38 +371,70 @@ def _check(plan: Plan, ctx: Context) -> None:
                             "are not streamed by offload:params; drop offload:params")
         if plan.get("zero") == 3:
             raise PlanError("qlora and zero:3: FSDP cannot shard bitsandbytes 4-bit weights; use zero:1 or zero:2")
+    if "fused-step" in plan and compute_dtype(ctx, "qlora" in plan) == torch.float16:
+        raise PlanError("lora/qlora compute in fp16 on this GPU and need a GradScaler, which must see every gradient "
+                        "before any step: 'fused-step' cannot; drop fused-step (adapter gradients are small anyway)")
+
+
+def compute_dtype(ctx: Context, quantize: bool) -> torch.dtype:
+    """The dtype the frozen base computes in: bf16 on a GPU with bf16 units, fp16 on one without (T4;
+    needs loss scaling); on the CPU bf16 for a lora base (no fast fp16 matmul) and fp32 for qlora.
+
+    >>> compute_dtype(Context(device=torch.device("cpu")), quantize=True)
+    torch.float32
+    """
+    if ctx.cuda:
+        return torch.bfloat16 if native_bf16(ctx.device) else torch.float16
+    return torch.float32 if quantize else torch.bfloat16
 
 
 def _prepare(quantize: bool):
     def prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
         rank, targets = plan.get("qlora" if quantize else "lora")
-        if quantize:  # fp16 compute on a GPU (T4: no bf16 units); fp32 on the CPU
-            return apply_lora(model, rank, targets, quantize=True, device=ctx.device,
-                              compute_dtype=torch.float16 if ctx.cuda else torch.float32)
-        base = torch.float16 if ctx.cuda else torch.bfloat16  # CPUs have no fast fp16 matmul
-        return apply_lora(model, rank, targets, base_dtype=base)
+        dtype = compute_dtype(ctx, quantize)
+        ctx.loss_scaling = ctx.loss_scaling or dtype == torch.float16  # fp16 gradients underflow unscaled
+        if quantize:
+            return apply_lora(model, rank, targets, quantize=True, device=ctx.device, compute_dtype=dtype)
+        return apply_lora(model, rank, targets, base_dtype=dtype)
     return prepare
+
+
+def _buildable(name: str) -> bool:
+    if name.startswith("llama:"):
+        return True
+    try:
+        gpt_config(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _load(quantize: bool):
+    def load(name: str, plan: Plan, ctx: Context, seq: int | None) -> nn.Module | None:
+        # A hub model on a GPU loads straight into NF4 (BitsAndBytesConfig): a 7B model never needs its
+        # 14 GB of 16-bit weights in host RAM or VRAM. GPT and llama:LxD shapes are built on the meta
+        # device and materialised layer by layer into NF4 / 16 bits. Other models build normally.
+        if quantize and name.startswith("hf:") and ctx.cuda:
+            from ..hf import load_hf_4bit
+
+            return load_hf_4bit(name[3:], compute_dtype=compute_dtype(ctx, True))
+        if not _buildable(name):
+            return None
+        if quantize:
+            _require("bitsandbytes", "qlora:R")
+        return build_frozen(name, seq=seq, device=ctx.device, dtype=compute_dtype(ctx, quantize), quantize=quantize)
+    return load
 
 
 register(Technique(
     name="lora",
     help="LoRA adapters of rank R on a frozen 16-bit base (fp16 on GPU, bf16 on CPU); lora:R:attn|mlp|names",
-    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(False), order=45,
+    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(False), load_model=_load(False), order=45,
     examples=("lora:8", "lora:16", "lora:8:attn"),
 ))
-def _load_4bit(name: str, plan: Plan, ctx: Context, seq: int | None) -> nn.Module | None:
-    # A hub model on a GPU loads straight into NF4 (BitsAndBytesConfig): a 7B model never needs its
-    # 14 GB of 16-bit weights in host RAM or VRAM. Models built from config are quantized in prepare.
-    if name.startswith("hf:") and ctx.cuda:
-        from ..hf import load_hf_4bit
-
-        return load_hf_4bit(name[3:])
-    return None
-
-
 register(Technique(
     name="qlora",
     help="LoRA adapters of rank R on a frozen 4-bit NF4 base (double quant; bitsandbytes)",
-    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(True), load_model=_load_4bit, order=30,
+    parse=_parse, group="adapters", check=_check, prepare_model=_prepare(True), load_model=_load(True), order=30,
     examples=("qlora:8", "qlora:16", "qlora:8:attn"),
 ))

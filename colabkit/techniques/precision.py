@@ -3,8 +3,9 @@
 Autocast runs matmuls in 16 bits and keeps reductions (softmax, norms, the loss) in fp32; the weights
 and the optimizer stay fp32, so what shrinks is what the forward saves for backward (activations),
 not the parameters. fp16 has 5 exponent bits: small gradients underflow, so the loss is scaled up
-before backward and the scale backed off whenever a gradient overflows (``Trainer`` makes the
-``torch.amp.GradScaler`` when ``fp16`` is in the plan; its state is in ``Trainer.state_dict``).
+before backward and the scale backed off whenever a gradient overflows (``fp16`` sets
+``ctx.loss_scaling``, which enables the ``Trainer``'s ``torch.amp.GradScaler``; its state is in
+``Trainer.state_dict``). ``lora``/``qlora`` set it too where they compute in fp16 (a GPU without bf16).
 bf16 has fp32's range and needs no scaler, but only Ampere+ GPUs (sm80) have bf16 units: on a T4 it
 is refused, with ``fp16`` as the answer.
 
@@ -55,12 +56,18 @@ def _check_bf16(plan: Plan, ctx: Context) -> None:
                         "(needs compute capability >= 8.0, e.g. A100/L4); use fp16 (autocast fp16 + GradScaler) instead")
 
 
+def _needs_scaling(model: torch.nn.Module, plan: Plan, ctx: Context) -> torch.nn.Module:
+    ctx.loss_scaling = True  # the Trainer's GradScaler is enabled by this value
+    return model
+
+
 register(Technique(
     name="fp16",
     help="autocast fp16 + GradScaler, fp32 master weights: about half the activation memory "
          "(on the CPU it runs, for memory and numerics, not speed)",
     group="precision",
     forward_context=_context("fp16"),
+    prepare_model=_needs_scaling,
     order=20,
 ))
 register(Technique(
