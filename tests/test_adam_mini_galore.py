@@ -74,16 +74,21 @@ def test_adam_mini_package_matches_the_paper_over_20_steps():
     assert max(float((a - b).abs().max()) for a, b in zip(got, neg)) > 100 * worst
 
 
-def test_adam_mini_state_is_the_first_moment_plus_one_value_per_block():
-    model = colabkit.build_model("gpt:2x64")
+def _optimizer_bytes(model, plan):
+    """The tracker's optimizer bytes after one Trainer step of ``plan`` on ``model``."""
     tracker = colabkit.MemoryTracker(device="cpu")
     with tracker:
-        tr = colabkit.Trainer(model, "adam-mini", device="cpu", tracker=tracker)
-        tr.step(*colabkit.TextData().batch(2, 16, step=0))
+        colabkit.Trainer(model, plan, device="cpu", tracker=tracker).step(*colabkit.TextData().batch(2, 16, step=0))
+    return tracker.report()["breakdown"]["optimizer"]
+
+
+def test_adam_mini_state_is_the_first_moment_plus_one_value_per_block():
+    model = colabkit.build_model("gpt:2x64")
+    measured = _optimizer_bytes(model, "adam-mini")
     heads = model.config.n_head
     blocks = sum(blocks_of(n, p, heads).shape[0] for n, p in model.named_parameters())
     expected = 4 * colabkit.count_params(model) + 4 * blocks   # m per element, v per block (biases: per element)
-    assert tracker.report()["breakdown"]["optimizer"] == expected
+    assert measured == expected
     # negative control: one v per tensor (no head/neuron partition) would be a different byte count
     per_tensor = sum(blocks_of(n, p, heads, per_head=False).shape[0] for n, p in model.named_parameters())
     assert 4 * colabkit.count_params(model) + 4 * per_tensor != expected
@@ -91,15 +96,12 @@ def test_adam_mini_state_is_the_first_moment_plus_one_value_per_block():
 
 def test_galore_state_bytes_equal_the_formula():
     model = colabkit.build_model("gpt:2x128")
-    tracker = colabkit.MemoryTracker(device="cpu")
-    with tracker:
-        tr = colabkit.Trainer(model, "galore:16", device="cpu", tracker=tracker)
-        tr.step(*colabkit.TextData().batch(2, 16, step=0))
+    measured = _optimizer_bytes(model, "galore:16")
     proj = projected(model, 16)
     assert len(proj) == 4 * model.config.n_layer              # qkv, proj, fc, fc_proj of every block
     formula = sum(galore_state_bytes(tuple(p.shape), 16) if id(p) in proj else 8 * p.numel()
                   for p in model.parameters())
-    assert tracker.report()["breakdown"]["optimizer"] == formula
+    assert measured == formula
     wrong = sum(galore_state_bytes(tuple(p.shape), 17) if id(p) in proj else 8 * p.numel() for p in model.parameters())
     assert wrong != formula                                   # the comparison can tell ranks apart
 
