@@ -203,8 +203,6 @@ def test_drive_dir_colab_mounts_once(tmp_path, monkeypatch, capsys):
     assert len(calls) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="HostOptimizer.state_dict() does not hold its fp32 host master weights yet "
-                   "(being added on the offload_sim branch); strict: passes, and so fails here, once it does")
 def test_exact_resume_offloaded_optimizer(tmp_path):
     """offload:optimizer's HostOptimizer (CPU, unpinned: the arithmetic the GPU path runs) resumes exactly."""
     from colabkit import TextData, Trainer, build_model, weights_sha256
@@ -215,7 +213,7 @@ def test_exact_resume_offloaded_optimizer(tmp_path):
     def make(seed):
         torch.manual_seed(seed)
         t = Trainer(build_model("gpt:2x64"), "baseline", device="cpu")
-        t.optimizer = HostOptimizer(param_groups(t.model, 0.1), lambda g: torch.optim.AdamW(g, lr=1e-3), pin=False)
+        t.optimizer = HostOptimizer(param_groups(t.model, 0.1), lambda g: torch.optim.AdamW(g, lr=1e-3))  # CPU pair: unpinned
         return t
 
     data = TextData()
