@@ -21,6 +21,7 @@ from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
 from ..models import build_model, count_params, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
+from ..techniques import lora as _lora
 from ..techniques.lora import SKIP as _QLORA_SKIP, nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
@@ -181,8 +182,9 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             linear = {id(m.weight) for n, m in trainer.model.named_modules() if type(m) is torch.nn.Linear
                       and uses.get(id(m.weight)) == 1 and m is not out_emb
                       and n.rsplit(".", 1)[-1] not in _QLORA_SKIP}  # what qlora quantizes: untied Linear, not the head
-            frozen16 = [(p.numel(), id(p) in linear) for p in trainer.model.parameters()
-                        if not p.requires_grad and p.element_size() == 2]
+            frozen = [(p.numel(), id(p) in linear, p.element_size()) for p in trainer.model.parameters()
+                      if not p.requires_grad]
+            frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
             for step in range(steps):
                 x = torch.randint(0, 256, (batch, seq))  # (B, S) ids; values never matter here
@@ -192,7 +194,19 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
-            "trainable_shapes": shapes, "frozen16": frozen16, "config": cfg}
+            "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+
+
+@contextlib.contextmanager
+def _compute_dtype_of_qlora():
+    """While tracing qlora's lora stand-in, give the frozen base qlora's compute dtype (lora's own choice
+    differs on a CPU: bf16 against qlora's fp32), so activations are traced in the dtype the run uses."""
+    real = _lora.compute_dtype
+    _lora.compute_dtype = lambda ctx, quantize: real(ctx, True)
+    try:
+        yield
+    finally:
+        _lora.compute_dtype = real
 
 
 def _shift(t: dict[str, Any], category: str, delta: int) -> None:
@@ -219,14 +233,16 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
     except Exception as err:  # noqa: BLE001  (a kernel that reads data pointers, e.g. through ctypes)
         if "qlora" in plan:  # bitsandbytes' Params4bit cannot wrap a fake tensor: trace lora, swap the base
             stand_in = Plan.parse(["lora" + t[len("qlora"):] if t.startswith("qlora") else t for t in plan.tokens])
-            t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile)
-            # lora's stand-in keeps the whole base in 16 bits. qlora's linear weights are NF4; the rest of the
-            # frozen base (embeddings, lm_head, norms) is in the compute dtype: fp16 on a GPU, fp32 on a CPU.
+            # the stand-in computes in qlora's dtype: fp16 on a GPU (as lora there), fp32 on a CPU (lora: bf16)
+            with _compute_dtype_of_qlora():
+                t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile)
+            # qlora's linear weights are NF4; the rest of the frozen base (embeddings, lm_head, norms) stays in
+            # the compute dtype: fp16 on a GPU, fp32 on a CPU -- what the stand-in already holds.
             rest = 2 if profile is not None else 4
-            delta = sum(nf4_bytes(n) - 2 * n if q else (rest - 2) * n for n, q in t["frozen16"])
+            delta = sum(nf4_bytes(n) - es * n if q else (rest - es) * n for n, q, es in t["frozen"])
             _shift(t, "params", delta)
             dtype = "fp16" if rest == 2 else "fp32"
-            notes.append(f"qlora dtypes (as the run stores them): {sum(q for _, q in t['frozen16'])} linear weights NF4; "
+            notes.append(f"qlora dtypes (as the run stores them): {sum(q for _, q, _ in t['frozen'])} linear weights NF4; "
                          f"embeddings {dtype}, lm_head {dtype} (never quantized), norms {dtype} "
                          f"({delta:+,} B against the 16-bit stand-in; bitsandbytes cannot quantize fake tensors)")
             return t
