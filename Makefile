@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (see README):
 #   make quickstart   set up, run the quickstart headless on whatever device is here, write report/
-#   make test         set up, run the unit tests and every notebook under nbval in smoke mode
+#   make test         set up, run the unit tests, every notebook (nbval, smoke mode) and the browser tests
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
