@@ -15,6 +15,8 @@ activation term against the published per-layer formula.
    and SDPA's log-sum-exp (< 0.2%). The test asserts that to 1% and the published figure to the
    dropout terms; a model with dropout (negative control) breaks the no-dropout count.
 """
+import gc
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,13 +45,20 @@ def tracked_and_allocator(make_model, plan, batch=4, seq=64, steps=2, outside=0)
     from nothing); ``outside`` bytes are allocated after the tracker closed (the negative control)."""
     x = torch.randint(0, 256, (batch, seq))
     tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with tracker:
-            trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
-            for i in range(steps):
-                tracker.set_step(i)
-                trainer.step(x, x)
-        extra = torch.empty(outside, dtype=torch.uint8) if outside else None  # noqa: F841
+    # Garbage of earlier tests collected *inside* the window would show in the profiler as frees of memory
+    # it never saw allocated, lowering its running sum: collect first, and pause the cyclic GC meanwhile.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with tracker:
+                trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
+                for i in range(steps):
+                    tracker.set_step(i)
+                    trainer.step(x, x)
+            extra = torch.empty(outside, dtype=torch.uint8) if outside else None  # noqa: F841
+    finally:
+        gc.enable()
     return tracker.report()["peak_bytes"], allocator_peak(prof)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .. import hf as _hf  # noqa: F401  (registers the llama:LxD family)
-from ..env import native_bf16
+from ..env import native_bf16, trim_host_heap
 from ..models import build_meta, gpt_config, materialize
 from ..plan import Context, Plan, PlanError, Technique, register
 
@@ -162,8 +162,12 @@ def build_frozen(name: str, seq: int | None = None, device: str | torch.device =
     >>> type(m.blocks[0].fc).__name__, m.wte.weight.dtype
     ('Linear4bit', torch.float32)
     """
-    convert = (lambda n, m: to_4bit(n, m, dtype, device)) if quantize else None
-    model = materialize(build_meta(name, seq=seq), device=device, dtype=dtype, convert=convert)
+    def convert(n: str, m: nn.Module) -> nn.Module | None:
+        trim_host_heap()  # the fp32 layer quantized last is freed by now: its pages go back to the OS
+        return to_4bit(n, m, dtype, device)
+
+    model = materialize(build_meta(name, seq=seq), device=device, dtype=dtype, convert=convert if quantize else None)
+    trim_host_heap()
     return model.requires_grad_(False)
 
 
