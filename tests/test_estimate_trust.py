@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import colabkit
-from colabkit.estimate.formulas import pinned_bytes
+from colabkit.techniques.offload import pinned_bytes
 from colabkit.estimate.planner import _fast_estimate, largest
 from colabkit.models import GPT, count_params, gpt_config, hf_from_config, shipped_hub_ids
 

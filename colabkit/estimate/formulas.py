@@ -8,6 +8,7 @@ from typing import Any
 from ..memory import fmt_bytes
 from ..models import gpt_config  # noqa: F401  (doctest)
 from ..plan import REGISTRY, Plan
+from ..techniques.offload import pinned_bytes  # the host-RAM guard's rounding: one rule for both
 from ..techniques.optimizers import state_bytes_per_param
 
 
@@ -61,16 +62,6 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
     return {"bytes_per_param": (weights + grads + state) / max(n, 1), "weights": weights, "grads": grads,
             "optimizer": state, "activations": acts + logits, "activations_per_layer": per_layer,
             "activation_formula": formula, "total": total}
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """Host RAM a pinned allocation of ``nbytes`` takes: CUDA's caching host allocator hands out blocks
-    rounded up to a power of two (c10 CachingHostAllocator, ``PowerOf2Ceil``) -- up to 2x the tensor.
-
-    >>> pinned_bytes(4 * 1600 * 6400), pinned_bytes(4096)
-    (67108864, 4096)
-    """
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trainable_shapes: list, L: int,

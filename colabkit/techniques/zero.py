@@ -23,13 +23,13 @@ is the single-process gradient.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..memory import tensors_in
 from ..models import blocks_of
@@ -102,11 +102,17 @@ def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     return model
 
 
-class ShardedOptimizer(ZeroRedundancyOptimizer):
-    """ZeroRedundancyOptimizer that shows the tracker the state of its own shard (``state_tensors``)."""
+@functools.cache
+def sharded_optimizer_class() -> type:
+    """ZeroRedundancyOptimizer that shows the tracker the state of its own shard (``state_tensors``).
+    Made on first use: importing ``torch.distributed.optim`` costs ~0.7 s, every ``import colabkit`` would pay it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        yield from tensors_in(dict(self.optim.state))
+    class ShardedOptimizer(ZeroRedundancyOptimizer):
+        def state_tensors(self) -> Iterator[torch.Tensor]:
+            yield from tensors_in(dict(self.optim.state))
+
+    return ShardedOptimizer
 
 
 def _wrap(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> Any:
@@ -116,7 +122,7 @@ def _wrap(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> Any:
     groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay", "lr")} for g in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer).__init__).parameters  # defaults may hold derived keys
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in ("params", "weight_decay")}
-    return ShardedOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+    return sharded_optimizer_class()(groups, optimizer_class=type(optimizer), **defaults)
 
 
 register(Technique(
