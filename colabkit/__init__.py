@@ -12,6 +12,11 @@ import logging as _logging
 # On CPUs with AVX512-BF16, bitsandbytes warns at import that an optional hub kernel ("kernels"
 # package) is missing and falls back to its own CPU kernel, which is what runs here anyway.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# torchao (imported by peft/transformers) logs "Failed to load …_C_*.so" for CUDA-only kernels a CPU
+# build cannot load, and torch's pytree warns about torchao's enum registrations: neither concerns a
+# colabkit user, and both would land in every notebook cell and CLI answer that touches peft.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 
 from . import techniques  # noqa: F401,E402  (registers the plan tokens)
 from .data import ByteTokenizer, IGNORE_INDEX, TextData, corpus
@@ -21,7 +26,8 @@ from .models import GPT, GPTConfig, PRESETS, blocks_of, build_model, count_param
 from .plan import REGISTRY, Context, Plan, PlanError, Technique, available_tokens, compatible, register
 from .trainer import Trainer, load_model, weights_sha256
 from .train import load_checkpoint, measure, save_checkpoint, train
-from .compare import compare, comparison_table, side_by_side, side_by_side_table
+from .compare import compare, comparison_table, side_by_side, side_by_side_table, step_times
+from .timing import Timing, interleaved, ratio, time_fn
 from .plots import LivePlot, audit, draw_categories, draw_timeline, plot_breakdown, run_title, show
 from .techniques.attention import attention_memory, attention_run, quadratic_fit, random_qkv
 from .techniques.precision import autocast

@@ -9,16 +9,45 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
+from .data import TextData
 from .estimate import estimate
 from .memory import CATEGORIES, fmt_bytes
 from .plan import PlanError
+from .timing import Timing, interleaved
 from .train import measure
+from .trainer import Trainer, _device, load_model
 
 
 def compare(model: Any, plans: Sequence[str], batch: int = 8, seq: int = 128, steps: int = 2,
             device: str | None = None, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
     """One :func:`colabkit.measure` record per plan, same model, data and seed."""
     return [measure(model, p, batch=batch, seq=seq, steps=steps, device=device, seed=seed, **kwargs) for p in plans]
+
+
+def step_times(model: Any, plans: Sequence[str], batch: int = 8, seq: int = 128, device: str | None = None,
+               warmup: int = 1, repeats: int = 5, seed: int = 0, lr: float = 3e-4,
+               offload_sim: bool = False) -> dict[str, Timing]:
+    """Seconds per optimizer step of each plan, untracked and interleaved (:mod:`colabkit.timing`).
+
+    ``model`` is a name or a function returning a model; one Trainer per plan is built from the same
+    seed and each timed round steps every plan once on the same batch, so load on the machine hits all
+    plans alike. All trainers are alive at once: time at sizes where they fit together.
+
+    >>> t = step_times("gpt-tiny", ["baseline", "accum:2"], batch=2, seq=16, repeats=2, device="cpu")
+    >>> sorted(t), t["baseline"].repeats
+    (['accum:2', 'baseline'], 2)
+    """
+    dev = _device(device)
+    x, y = TextData().batch(batch, seq, step=0, seed=seed, device=dev)
+    trainers = {}
+    for p in plans:
+        torch.manual_seed(seed)
+        m = load_model(model, p, seq=seq, device=dev) if isinstance(model, str) else model()
+        trainers[p] = Trainer(m, p, device=dev, lr=lr, offload_sim=offload_sim)
+    return interleaved({p: (lambda t=t: t.step(x, y)) for p, t in trainers.items()},
+                       warmup=warmup, repeats=repeats, device=dev)
 
 
 def comparison_table(records: Sequence[dict[str, Any]]) -> str:
