@@ -604,6 +604,7 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch, reading the raw pickle weights-only
 def test_adapter_file_with_pickle_is_refused(tmp_path):
     """A file carrying a pickled callable -- torch.save's zip format, a raw pickle, or a raw pickle named
     .safetensors -- is refused with a ValueError and the callable never runs (its file does not appear).

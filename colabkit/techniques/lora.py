@@ -175,7 +175,8 @@ def to_4bit(name: str, child: nn.Module, compute_dtype: torch.dtype = torch.floa
     the GPU never visits the host. A weight elsewhere moves once, to ``device``, and is quantized there.
     A ``Conv1D`` weight (d_in, d_out) is quantized transposed, as transformers' BitsAndBytesConfig does.
 
-    >>> q = to_4bit("c_fc", __import__("transformers").pytorch_utils.Conv1D(8, 64))  # nf=8 out, nx=64 in
+    >>> from transformers.pytorch_utils import Conv1D
+    >>> q = to_4bit("c_fc", Conv1D(8, 64))  # GPT-2's layer: nf=8 outputs, nx=64 inputs
     >>> (q.in_features, q.out_features), q(torch.ones(2, 64)).shape
     ((64, 8), torch.Size([2, 8]))
     """
@@ -187,7 +188,7 @@ def to_4bit(name: str, child: nn.Module, compute_dtype: torch.dtype = torch.floa
     if is_conv1d(child):
         w = w.t()
     dev = w.device if device is None else torch.device(device)
-    if w.device != dev:
+    if not _on(w, dev):
         w = w.to(dev)  # one move, towards where the layer will live; never back
     w = w.to(dtype=torch.float32 if compute_dtype == torch.float32 else torch.float16).contiguous()
     packed, state = bnb.functional.quantize_4bit(w, blocksize=blocksize, compress_statistics=True, quant_type="nf4")
@@ -201,9 +202,14 @@ def to_4bit(name: str, child: nn.Module, compute_dtype: torch.dtype = torch.floa
     q.quant_state = state
     if child.bias is not None:
         b = child.bias.detach()
-        q.bias = nn.Parameter((b if b.device == dev else b.to(dev)).to(dtype=compute_dtype), requires_grad=False)
+        q.bias = nn.Parameter((b if _on(b, dev) else b.to(dev)).to(dtype=compute_dtype), requires_grad=False)
     q.support_avx512bf16_for_cpu = False  # see apply_lora: keep one packed format on the CPU
     return q
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` ("cuda" matches any GPU index)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def linear_weights(model: nn.Module) -> dict[str, tuple[int, bool]]:
@@ -385,6 +391,8 @@ def save_adapters(model: nn.Module, path: str) -> str:
     """
     from safetensors.torch import save_file
 
+    if not getattr(model, "_colabkit_lora", None):
+        raise ValueError("this model has no colabkit adapters to save: apply_lora first (a merged model has none)")
     info = dict(model._colabkit_lora)
     save_file(adapter_state_dict(model), path, metadata={"format": "colabkit-lora", "lora": json.dumps(info)})
     return path
@@ -408,7 +416,7 @@ def read_adapters(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         with open(path, "rb") as fh:  # a file object: torch.load would hand a '.safetensors' path back to safetensors
             saved = torch.load(fh, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         raise ValueError(f"refusing to load {path}: it is neither safetensors nor a weights-only torch file "
                          f"(it holds objects that unpickling would construct, i.e. code could run). Load adapters "
                          f"only from files you trust and save them with colabkit.save_adapters "
@@ -464,7 +472,8 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
 def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Fold the adapters into plain ``nn.Linear`` layers (W + scale·B·A; a ``Conv1D`` base becomes the
     equivalent ``nn.Linear``) for inference, in place; a 4-bit base is dequantized first, so the merged
-    layer is exact up to float rounding (re-quantizing the sum would add a second rounding error). ``dtype`` defaults to the adapter dtype (fp32)."""
+    layer is exact up to float rounding (re-quantizing the sum would add a second rounding error).
+    ``dtype`` defaults to the adapter dtype (fp32)."""
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
