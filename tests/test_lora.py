@@ -15,8 +15,8 @@ from colabkit.data import TextData
 from colabkit.instruct import InstructData, generate
 from colabkit.models import blocks_of, build_model, count_params, logits_of
 from colabkit.plan import Plan, PlanError
-from colabkit.techniques.lora import (apply_lora, load_adapters, lora_adapter_params, merge_lora, nf4_bytes,
-                                      quantize_4bit, save_adapters, target_modules)
+from colabkit.techniques.lora import (adapter_state_dict, apply_lora, load_adapters, lora_adapter_params, merge_lora,
+                                      nf4_bytes, quantize_4bit, save_adapters, target_modules)
 from colabkit.train import train
 from colabkit.trainer import Trainer, load_model
 
@@ -150,8 +150,9 @@ def test_loss_falls_and_adapters_reload(tmp_path):
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
     model = out["trainer"].model
-    path = save_adapters(model, str(tmp_path / "adapters.pt"))
-    saved = torch.load(path, weights_only=False)["state"]  # the adapters only, not the base
+    path = save_adapters(model, str(tmp_path / "adapters.safetensors"))
+    from safetensors.torch import load_file
+    saved = load_file(path)  # the adapters only, not the base
     assert sum(t.numel() for t in saved.values()) == count_params(model, trainable_only=True)
     def reload():
         torch.manual_seed(0)  # the same random base, built and quantized the same way (meta build)
@@ -324,3 +325,307 @@ def test_fp16_adapters_refuse_fused_step(monkeypatch):
     monkeypatch.setattr(L, "compute_dtype", lambda ctx, quantize: torch.float16)
     with pytest.raises(PlanError, match="GradScaler"):
         Plan.parse("lora:8+fused-step").check(colabkit.Context(device=torch.device("cpu")))
+
+
+# ----- real architectures: GPT-2's Conv1D, task heads, what qlora leaves unquantized -------------
+def _hf(kind: str, head: bool = False) -> nn.Module:
+    """Tiny transformers models (random weights, byte vocabulary, no dropout): 'gpt2', 'bert', 'llama';
+    ``head``: the *ForSequenceClassification variant with 3 labels."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=256, num_labels=3, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0, **small)
+        return (tf.GPT2ForSequenceClassification if head else tf.GPT2LMHeadModel)(cfg)
+    if kind == "bert":
+        cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            **small)
+        return tf.BertForSequenceClassification(cfg)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=64, **small)
+    return (tf.LlamaForSequenceClassification if head else tf.LlamaForCausalLM)(cfg)
+
+
+def _conv1ds(model):
+    from transformers.pytorch_utils import Conv1D
+    return {n: m for n, m in model.named_modules() if isinstance(m, Conv1D)}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_gpt2_qlora_quantizes_conv1d():
+    """GPT-2's linear layers are transformers Conv1D (W: d_in x d_out). qlora:8 stores >= 90% of the base's
+    linear/Conv1D weights in NF4 (here all of them; the tied lm_head is the embedding), each quantized
+    transposed -- bitsandbytes' own quantize_4bit of W^T, bit for bit -- and the model computes exactly the
+    fp32 model with W replaced by dequant(NF4(W^T))^T. Negative controls: quantizing W untransposed gives
+    other bytes, and the dequantized weight is far from the untransposed W of a square layer."""
+    import copy
+    ref = _hf("gpt2")
+    convs = _conv1ds(ref)
+    total = sum(m.weight.numel() for m in convs.values())
+    model = apply_lora(copy.deepcopy(ref), 8, quantize=True)
+    q4 = {n.removesuffix(".base_layer"): m for n, m in _linears4(model).items()}
+    assert sum(q4[n].in_features * q4[n].out_features for n in convs if n in q4) >= 0.9 * total
+    assert q4.keys() == convs.keys()  # every Conv1D, and nothing else (the tied head stays the embedding)
+    deq = copy.deepcopy(ref)
+    for n, conv in convs.items():
+        w = conv.weight.detach()  # (d_in, d_out)
+        packed, state = bnb.functional.quantize_4bit(w.t().contiguous(), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        assert torch.equal(q4[n].weight.data, packed), n
+        assert torch.equal(q4[n].weight.quant_state.absmax, state.absmax), n
+        wrong, _ = bnb.functional.quantize_4bit(w.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4")
+        assert not torch.equal(q4[n].weight.data, wrong), n  # the orientation matters
+        d = bnb.functional.dequantize_4bit(q4[n].weight.data, q4[n].weight.quant_state)  # (d_out, d_in)
+        assert 0.01 < _rel(d.t(), w) < 0.15, n  # NF4's rounding: rms ~0.1 of the weights' scale
+        if w.shape[0] == w.shape[1]:
+            assert _rel(d, w) > 1.0, n  # untransposed: unrelated values
+        with torch.no_grad():
+            deq.get_submodule(n).weight.copy_(d.t())
+    x = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        got, want, fp32 = (m(x).logits for m in (model, deq, ref))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)  # adapters start at B = 0: the base's function
+    assert (got - fp32).abs().max() > 1e-3  # negative control: the unquantized model is detectably other
+    assert _rel(got, fp32) < 0.15  # ... and close: ~0.1 relative error per weight, through 2 blocks
+
+
+def test_gpt2_qlora_parameter_bytes_measured():
+    """MemoryTracker's parameter bytes of qlora:8 on GPT-2 equal the NF4 formula (per Conv1D weight) + the
+    fp32 rest + the fp32 adapters within 2%, and fall from the fp32 baseline by what the formula says.
+    Before Conv1D support qlora left every weight in fp32 (the negative control: baseline bytes + adapters)."""
+    records = {plan: colabkit.measure(lambda: _hf("gpt2"), plan, batch=2, seq=32, steps=1, device="cpu")
+               for plan in ("baseline", "qlora:8")}
+    assert all(r["ok"] for r in records.values()), [r["error"] for r in records.values()]
+    base, q = (records[p]["breakdown"]["params"] for p in ("baseline", "qlora:8"))
+    sizes = [m.weight.numel() for m in _conv1ds(_hf("gpt2")).values()]
+    adapters = 4 * records["qlora:8"]["trainable_params"]
+    n_all = records["baseline"]["params"]
+    predicted = sum(nf4_bytes(n) for n in sizes) + 4 * (n_all - sum(sizes)) + adapters
+    assert abs(q - predicted) <= 0.02 * predicted, (q, predicted)
+    fall = sum(4 * n - nf4_bytes(n) for n in sizes) - adapters
+    assert abs((base - q) - fall) <= 0.02 * fall, (base - q, fall)
+    assert q < 0.6 * base  # the unfixed run: q = base + adapters
+
+
+def test_gpt2_lora_conv1d_adapters_and_merge():
+    """lora:8 on GPT-2 adapts Conv1D with peft's fan_in_fan_out (no peft warning): with B != 0 the model
+    equals an fp32 GPT-2 whose Conv1D weights are W + scale·(B·A)^T, and merge_lora folds them into
+    nn.Linear layers computing the same (a merge that forgot the transpose fails the same check)."""
+    import copy
+    import warnings
+    ref = _hf("gpt2")
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # peft warns when it has to switch fan_in_fan_out itself
+        apply_lora(model, 4)  # fp32 base (no base_dtype)
+    expected = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if hasattr(mod, "lora_B"):
+                nn.init.normal_(mod.lora_B["default"].weight, std=0.05)
+                a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight  # (R, d_in), (d_out, R)
+                expected.get_submodule(name).weight += (8 / 4) * (b @ a).t()  # Conv1D stores (d_in, d_out)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, expected(x).logits, atol=1e-4, rtol=1e-4)
+        assert (model(x).logits - ref(x).logits).abs().max() > 1e-2  # the adapters do change the function
+        merged = merge_lora(model)
+        assert not _conv1ds(merged) or all(type(m) is nn.Linear for n, m in merged.named_modules() if n.endswith("c_fc"))
+        torch.testing.assert_close(merged(x).logits, expected(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,head", [("bert", "classifier"), ("gpt2", "score"), ("llama", "score")])
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_task_head_trains_base_stays_frozen(kind, head, quantize):
+    """A classification model's new head trains in full (fp32, never quantized), like peft's
+    modules_to_save; the frozen base -- NF4 bytes included -- does not change. Before the fix the head
+    was frozen with the base and only the adapters moved."""
+    model = _hf(kind, head=True)
+    apply_lora(model, 4, quantize=quantize, base_dtype=None if quantize else torch.bfloat16)  # the CPU dtypes
+    assert model._colabkit_lora["heads"] == [head]
+    module = model.get_submodule(head)
+    assert type(module) is nn.Linear and all(p.requires_grad and p.dtype == torch.float32 for p in module.parameters())
+    frozen = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n and not n.startswith(head + ".")}
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, labels = torch.randint(1, 256, (4, 16)), torch.tensor([0, 1, 2, 1])
+    loss = nn.functional.cross_entropy(model(input_ids=ids).logits.float(), labels)
+    loss.backward()
+    opt.step()
+    for n, p in module.named_parameters():
+        assert not torch.equal(p, before[n]), n
+    after = model.state_dict()
+    for n, t in frozen.items():
+        assert torch.equal(after[n], t), n
+    assert any(n.startswith(head + ".") for n in adapter_state_dict(model))  # saved with the adapters
+
+
+def test_unquantized_linear_weights_warn():
+    """qlora converts plain nn.Linear and Conv1D; a base whose MLP uses an nn.Linear subclass keeps 2/3 of its
+    linear weights unquantized, and qlora says so, naming the modules and the fraction (computed here from
+    the shapes). GPT-2 and the GPT preset, fully quantized, give no such warning."""
+    class MyLinear(nn.Linear):
+        pass
+
+    model = build_model("gpt:2x64")
+    for blk in blocks_of(model):
+        for name in ("fc", "fc_proj"):
+            old = getattr(blk, name)
+            new = MyLinear(old.in_features, old.out_features, bias=old.bias is not None)
+            new.load_state_dict(old.state_dict())
+            setattr(blk, name, new)
+    lin = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+    frac = sum(m.weight.numel() for m in lin if type(m) is MyLinear) / sum(m.weight.numel() for m in lin)
+    assert frac > 0.1
+    with pytest.warns(UserWarning, match=rf"qlora left {frac:.0%} of the base's linear weights unquantized .*"
+                                         r"blocks\.\d\.fc(_proj)? \(MyLinear\)") as rec:
+        apply_lora(model, 4, quantize=True)
+    assert any("blocks.1.fc_proj" in str(w.message) for w in rec)
+    import warnings
+    for clean in (build_model("gpt:2x64"), _hf("gpt2")):
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            apply_lora(clean, 4, quantize=True)
+        assert not [w for w in rec if "unquantized" in str(w.message)]
+
+
+def _device_calls(monkeypatch, min_numel: int) -> list[str]:
+    """Record every call that names a device -- Tensor.to(device...)/.cpu()/.cuda() and Params4bit's -- on a
+    tensor of at least ``min_numel`` elements (the weight, a copy, its packed form; not bitsandbytes' small
+    quantization constants)."""
+    calls: list[str] = []
+    for cls in (torch.Tensor, bnb.nn.Params4bit):
+        for meth in ("to", "cpu", "cuda"):
+            real = cls.__dict__.get(meth) or getattr(cls, meth)
+
+            def spy(self, *a, _real=real, _what=f"{cls.__name__}.{meth}", **k):
+                if self.numel() < min_numel:
+                    pass
+                elif _what.endswith(".to"):
+                    dev = torch._C._nn._parse_to(*a, **{n: v for n, v in k.items() if n != "copy"})[0]
+                    if dev is not None:
+                        calls.append(f"{_what}({dev}) of {tuple(self.shape)}")
+                else:
+                    calls.append(f"{_what}() of {tuple(self.shape)}")
+                return _real(self, *a, **k)
+            monkeypatch.setattr(cls, meth, spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_to_4bit_quantizes_where_the_weight_is(monkeypatch, kind):
+    """to_4bit quantizes the weight on its own device: no .to(device)/.cpu()/.cuda() call at all (the old
+    path built Params4bit on the host and moved it: GPU -> CPU -> GPU for a GPU layer), and the result is
+    bitsandbytes' own quantize_4bit of the same weight (W^T for Conv1D)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from colabkit.techniques.lora import to_4bit
+    torch.manual_seed(0)
+    layer = nn.Linear(128, 64) if kind == "linear" else Conv1D(64, 128)  # Conv1D(nf=d_out, nx=d_in)
+    w = layer.weight.detach() if kind == "linear" else layer.weight.detach().t()  # (64, 128)
+    calls = _device_calls(monkeypatch, w.numel() // 2)
+    q = to_4bit("fc", layer)
+    monkeypatch.undo()
+    assert calls == [], calls
+    assert q.weight.device == layer.weight.device and q.bias.device == layer.bias.device
+    packed, state = bnb.functional.quantize_4bit(w.contiguous(), blocksize=64, compress_statistics=True,
+                                                 quant_type="nf4")
+    qs = q.weight.quant_state
+    assert torch.equal(q.weight.data, packed) and torch.equal(qs.absmax, state.absmax)
+    assert torch.equal(qs.state2.absmax, state.state2.absmax) and torch.equal(qs.offset, state.offset)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(q(x), x @ bnb.functional.dequantize_4bit(packed, state).t() + layer.bias.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_to_4bit_on_gpu_never_visits_the_host(monkeypatch):
+    from colabkit.techniques.lora import to_4bit
+    layer = nn.Linear(256, 128, device="cuda")
+    calls = _device_calls(monkeypatch, layer.weight.numel() // 2)
+    q = to_4bit("fc", layer, device="cuda")
+    monkeypatch.undo()
+    assert q.weight.is_cuda and not [c for c in calls if "cpu" in c], calls
+
+
+# ----- adapter files: safetensors, never unpickled -------------------------------------------------
+def _adapted(seed, kind=None):
+    model = build_model("gpt-tiny") if kind is None else _hf(kind, head=True)  # the same base every time
+    torch.manual_seed(seed)
+    apply_lora(model, 4)
+    for n, p in model.named_parameters():
+        if p.requires_grad:  # adapters (B too: non-zero) and the head: what a reload must bring back
+            nn.init.normal_(p, std=0.05)
+    return model
+
+
+@pytest.mark.parametrize("kind", [None, "bert"], ids=["gpt", "bert-with-head"])
+def test_adapter_roundtrip_is_bit_exact_safetensors(tmp_path, kind):
+    """save_adapters writes safetensors (an 8-byte header length, then JSON: no pickle opcode), and
+    load_adapters brings every adapter (and trained head) tensor back bit for bit into a model whose own
+    adapters differed (negative control) -- also from the older torch.save format, read weights_only."""
+    from safetensors import safe_open
+
+    from colabkit.techniques.lora import adapter_state_dict
+    src = _adapted(1, kind)
+    path = save_adapters(src, str(tmp_path / "a.safetensors"))
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    assert json.loads(raw[8:8 + n])["__metadata__"]["format"] == "colabkit-lora" and not raw.startswith(b"\x80")
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == sorted(adapter_state_dict(src))
+    want = adapter_state_dict(src)
+    if kind:
+        assert any(k.startswith("classifier.") for k in want)
+    legacy = str(tmp_path / "old.pt")
+    torch.save({"lora": dict(src._colabkit_lora), "state": want}, legacy)
+    for p in (path, legacy):
+        dst = _adapted(2, kind)
+        assert not all(torch.equal(want[k], v) for k, v in adapter_state_dict(dst).items())
+        load_adapters(dst, p)
+        got = adapter_state_dict(dst)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+class _Payload:
+    """Unpickling this creates a file: what a hostile 'adapter' file would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch, reading the raw pickle weights-only
+def test_adapter_file_with_pickle_is_refused(tmp_path):
+    """A file carrying a pickled callable -- torch.save's zip format, a raw pickle, or a raw pickle named
+    .safetensors -- is refused with a ValueError and the callable never runs (its file does not appear).
+    Positive control: unpickling the same file the unsafe way does create the file."""
+    import os
+    import pickle
+
+    src = _adapted(1)
+    good = {"lora": dict(src._colabkit_lora), "state": adapter_state_dict(src)}
+    marker = str(tmp_path / "pwned")
+    files = [str(tmp_path / n) for n in ("evil.pt", "evil.pkl", "evil.safetensors")]
+    torch.save({**good, "extra": _Payload(marker)}, files[0])
+    for f in files[1:]:
+        with open(f, "wb") as fh:
+            pickle.dump({**good, "extra": _Payload(marker)}, fh)
+    for f in files:
+        with pytest.raises(ValueError, match="refusing to load"):
+            load_adapters(_adapted(2), f)
+        assert not os.path.exists(marker), f
+    torch.load(files[0], weights_only=False)  # the unsafe way: the payload runs
+    assert os.path.exists(marker)
+    import inspect
+    import colabkit.techniques.lora as L
+    assert "weights_only=False" not in inspect.getsource(L) and "pickle.load" not in inspect.getsource(L)

@@ -22,7 +22,7 @@ from ..memory import MemoryTracker, fmt_bytes
 from ..models import build_model, count_params, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
-from ..techniques.lora import SKIP as _QLORA_SKIP, nf4_bytes
+from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
 
@@ -179,9 +179,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             for _, p in trainer.model.named_parameters(remove_duplicate=False):
                 uses[id(p)] = uses.get(id(p), 0) + 1
             out_emb = getattr(trainer.model, "get_output_embeddings", lambda: None)()
-            linear = {id(m.weight) for n, m in trainer.model.named_modules() if type(m) is torch.nn.Linear
-                      and uses.get(id(m.weight)) == 1 and m is not out_emb
-                      and n.rsplit(".", 1)[-1] not in _QLORA_SKIP}  # what qlora quantizes: untied Linear, not the head
+            linear = {id(m.weight) for n, m in trainer.model.named_modules() if _lora.quantizable(n, m)
+                      and uses.get(id(m.weight)) == 1 and m is not out_emb}  # what qlora quantizes: untied, not a head
             frozen = [(p.numel(), id(p) in linear, p.element_size()) for p in trainer.model.parameters()
                       if not p.requires_grad]
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]

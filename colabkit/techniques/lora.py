@@ -7,7 +7,13 @@ and fp32 (qlora). GPT presets, ``gpt:LxD`` and ``llama:LxD`` are built on the me
 layer by layer straight into NF4 / 16 bits (:func:`build_frozen`), so the fp32 model never exists. Targets default to the architecture's attention and MLP
 projections; ``lora:R:attn``, ``lora:R:mlp``, ``lora:R:all`` or ``lora:R:q_proj,v_proj`` override them.
 Only adapters train, so gradients and optimizer state shrink to the adapters' size (about
-``R·(d_in+d_out)`` per target instead of ``d_in·d_out``).
+``R·(d_in+d_out)`` per target instead of ``d_in·d_out``) -- plus a task head (``classifier``, ``score``,
+``qa_outputs``: new, randomly initialised layers), which trains in full and in fp32, as peft's
+``modules_to_save`` does. GPT-2's ``Conv1D`` layers (weight stored (d_in, d_out), transposed against
+``nn.Linear``) are quantized transposed, as transformers' BitsAndBytesConfig does, and adapted with
+peft's ``fan_in_fan_out``. A qlora base that keeps more than 10% of its linear weights unquantized
+(layer types qlora does not convert) says so with a warning. Adapters are saved as safetensors: loading
+parses bytes and never unpickles.
 
 >>> from colabkit.plan import Plan
 >>> Plan.parse("qlora:8").get("qlora")
@@ -17,7 +23,10 @@ Only adapters train, so gradients and optimizer state shrink to the adapters' si
 """
 from __future__ import annotations
 
+import json
 import math
+import pickle
+import warnings
 from typing import Iterable
 
 import torch
@@ -40,7 +49,36 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 # These HF families use Llama's module names.
 for _arch in ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "olmo", "olmo2", "granite"):
     TARGETS[_arch] = TARGETS["llama"]
+TARGETS["bert"] = (("query", "key", "value"), ("dense",))  # "dense": attention output, MLP, pooler
 SKIP = ("lm_head", "embed_out", "output")  # never quantized nor adapted: the (often tied) output head
+# Task heads (transformers' *ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering):
+# new and randomly initialised, so they train in full (fp32), never quantized -- peft's modules_to_save.
+HEADS = ("classifier", "score", "qa_outputs")
+UNQUANTIZED_WARN = 0.10  # warn when more than this fraction of the base's linear weights stays unquantized
+
+
+def _conv1d_type() -> type | None:
+    """transformers' ``Conv1D`` (GPT-2's linear layer: y = x·W + b with W of shape (d_in, d_out))."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # no transformers: no model can hold a Conv1D
+        return None
+    return Conv1D
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    conv1d = _conv1d_type()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def quantizable(name: str, module: nn.Module, skip: Iterable[str] = SKIP + HEADS) -> bool:
+    """True for what qlora stores in NF4: a plain ``nn.Linear`` or a transformers ``Conv1D`` whose name
+    is not an output or task head. Subclasses of ``nn.Linear`` may compute something else: left as they are.
+
+    >>> quantizable("fc", nn.Linear(4, 4)), quantizable("lm_head", nn.Linear(4, 4)), quantizable("classifier", nn.Linear(4, 2))
+    (True, False, False)
+    """
+    return (type(module) is nn.Linear or is_conv1d(module)) and name.rsplit(".", 1)[-1] not in set(skip)
 
 
 def _arch(model: nn.Module) -> str:
@@ -51,7 +89,7 @@ def _arch(model: nn.Module) -> str:
 
 def target_modules(model: nn.Module, which: Iterable[str] | None = None) -> list[str]:
     """Module names to adapt: ``which`` = None/"all" (attention + MLP), "attn", "mlp", or explicit names.
-    Unknown architectures fall back to every linear layer inside the transformer blocks.
+    Unknown architectures fall back to every linear (or ``Conv1D``) layer but the output and task heads.
 
     >>> from colabkit.models import build_model
     >>> target_modules(build_model("gpt-tiny"), ["attn"])
@@ -63,7 +101,7 @@ def target_modules(model: nn.Module, which: Iterable[str] | None = None) -> list
         attn, mlp = TARGETS[arch]
     else:  # every linear layer that is not the head
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in SKIP})
+                        if (isinstance(m, nn.Linear) or is_conv1d(m)) and n.rsplit(".", 1)[-1] not in SKIP + HEADS})
         attn, mlp = tuple(names), ()
     out: list[str] = []
     for w in which:
@@ -102,19 +140,17 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
 
 
-def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  skip: Iterable[str] = SKIP, blocksize: int = 64) -> nn.Module:
-    """Replace every ``nn.Linear`` (except the head and tied weights) by a frozen bitsandbytes
-    ``Linear4bit`` in NF4 with double quantization, in place, quantizing on ``device``.
+def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                  skip: Iterable[str] = SKIP + HEADS, blocksize: int = 64) -> nn.Module:
+    """Replace every :func:`quantizable` layer (``nn.Linear`` or GPT-2's ``Conv1D``; not the heads nor tied
+    weights) by a frozen bitsandbytes ``Linear4bit`` in NF4 with double quantization, in place, quantizing
+    each on the device its weight is on (then kept on ``device``, default: where it was).
 
     Storage per weight: 4 bits + an 8-bit absmax per block of 64 + an fp32 absmax per 256 blocks.
     >>> m = quantize_4bit(nn.Sequential(nn.Linear(64, 64)))
     >>> type(m[0]).__name__, m[0].weight.dtype
     ('Linear4bit', torch.uint8)
     """
-    import bitsandbytes as bnb
-
-    skip = set(skip)
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -130,23 +166,92 @@ def quantize_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, 
 
 
 def to_4bit(name: str, child: nn.Module, compute_dtype: torch.dtype = torch.float32,
-            device: str | torch.device = "cpu", skip: Iterable[str] = SKIP, blocksize: int = 64) -> nn.Module | None:
-    """A frozen NF4 ``Linear4bit`` (double quantization) computing what the ``nn.Linear`` ``child``
-    computes, quantized on ``device``; None for anything else or a name in ``skip``."""
+            device: str | torch.device | None = None, skip: Iterable[str] = SKIP + HEADS,
+            blocksize: int = 64) -> nn.Module | None:
+    """A frozen NF4 ``Linear4bit`` (double quantization) computing what the ``nn.Linear`` or ``Conv1D``
+    ``child`` computes; None for anything else or a name in ``skip``.
+
+    The weight is quantized where it lies when that is ``device`` (default: its own device): a weight on
+    the GPU never visits the host. A weight elsewhere moves once, to ``device``, and is quantized there.
+    A ``Conv1D`` weight (d_in, d_out) is quantized transposed, as transformers' BitsAndBytesConfig does.
+
+    >>> from transformers.pytorch_utils import Conv1D
+    >>> q = to_4bit("c_fc", Conv1D(8, 64))  # GPT-2's layer: nf=8 outputs, nx=64 inputs
+    >>> (q.in_features, q.out_features), q(torch.ones(2, 64)).shape
+    ((64, 8), torch.Size([2, 8]))
+    """
     import bitsandbytes as bnb
 
-    if type(child) is not nn.Linear or name.rsplit(".", 1)[-1] in set(skip):
+    if not quantizable(name, child, skip):
         return None
+    w = child.weight.detach()  # nn.Linear: (d_out, d_in); Conv1D: (d_in, d_out)
+    if is_conv1d(child):
+        w = w.t()
+    dev = w.device if device is None else torch.device(device)
+    if not _on(w, dev):
+        w = w.to(dev)  # one move, towards where the layer will live; never back
+    w = w.to(dtype=torch.float32 if compute_dtype == torch.float32 else torch.float16).contiguous()
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=blocksize, compress_statistics=True, quant_type="nf4")
+    d_out, d_in = w.shape
+    del w
     with torch.device("meta"):  # no throwaway fp32 weight
-        q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                              compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4")
-    w = child.weight.detach().to(torch.float32 if compute_dtype == torch.float32 else torch.float16)
-    q.weight = bnb.nn.Params4bit(w.cpu() if torch.device(device).type == "cuda" else w, requires_grad=False,
-                                 compress_statistics=True, quant_type="nf4", blocksize=blocksize).to(device)
+        q = bnb.nn.Linear4bit(d_in, d_out, bias=child.bias is not None, compute_dtype=compute_dtype,
+                              compress_statistics=True, quant_type="nf4")
+    q.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=blocksize,
+                                 compress_statistics=True, quant_type="nf4", bnb_quantized=True, module=q)
+    q.quant_state = state
     if child.bias is not None:
-        q.bias = nn.Parameter(child.bias.detach().to(device, compute_dtype), requires_grad=False)
+        b = child.bias.detach()
+        q.bias = nn.Parameter((b if _on(b, dev) else b.to(dev)).to(dtype=compute_dtype), requires_grad=False)
     q.support_avx512bf16_for_cpu = False  # see apply_lora: keep one packed format on the CPU
     return q
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` ("cuda" matches any GPU index)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def linear_weights(model: nn.Module) -> dict[str, tuple[int, bool]]:
+    """The base's linear weights as qlora sees them: module name -> (weight count, stored in NF4).
+    Counted: ``nn.Linear`` (and subclasses) and ``Conv1D``; not counted: the output head (kept in the
+    compute dtype on purpose, as in QLoRA), task heads (trained) and LoRA adapters.
+
+    >>> linear_weights(quantize_4bit(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))))
+    {'0': (4096, True), '1': (128, True)}
+    """
+    import bitsandbytes as bnb
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out: dict[str, tuple[int, bool]] = {}
+    for name, m in model.named_modules():
+        parts = name.split(".")
+        if m is head or parts[-1] in SKIP + HEADS or any(p.startswith("lora_") for p in parts):
+            continue
+        if isinstance(m, bnb.nn.Linear4bit):
+            out[name] = (m.in_features * m.out_features, True)
+        elif isinstance(m, nn.Linear) or is_conv1d(m):
+            out[name] = (m.weight.numel(), False)
+    return out
+
+
+def warn_unquantized(model: nn.Module, limit: float = UNQUANTIZED_WARN) -> float:
+    """Warn (naming the modules) when more than ``limit`` of the base's :func:`linear_weights` are not
+    NF4; returns the unquantized fraction."""
+    lin = linear_weights(model)
+    total = sum(n for n, _ in lin.values())
+    left = {name: n for name, (n, q) in lin.items() if not q}
+    frac = sum(left.values()) / total if total else 0.0
+    if frac > limit:
+        names = sorted(left, key=lambda k: -left[k])
+        listed = ", ".join(f"{k} ({type(model.get_submodule(k)).__name__})" for k in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        warnings.warn(f"qlora left {frac:.0%} of the base's linear weights unquantized ({sum(left.values()):,} of "
+                      f"{total:,}): {listed}{more}. qlora stores plain nn.Linear and transformers Conv1D layers in "
+                      f"NF4; these keep their dtype, so the parameter memory falls less than NF4 promises. Replace "
+                      f"them with nn.Linear, or load the model with a BitsAndBytesConfig that converts them",
+                      UserWarning, stacklevel=3)
+    return frac
 
 
 def build_frozen(name: str, seq: int | None = None, device: str | torch.device = "cpu",
@@ -184,12 +289,36 @@ def enable_input_grads(model: nn.Module) -> None:
     model._colabkit_input_grads = True
 
 
+def task_heads(model: nn.Module, exclude: Iterable[str] = ()) -> list[str]:
+    """Module names of the model's task heads (``classifier``, ``score``, ``qa_outputs``; outermost only),
+    except those in ``exclude`` (LoRA targets).
+
+    >>> task_heads(nn.ModuleDict({"body": nn.Linear(4, 4), "classifier": nn.Linear(4, 2)}))
+    ['classifier']
+    """
+    exclude, out = set(exclude), []
+    for name, m in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if (last in HEADS and last not in exclude and not any(name.startswith(h + ".") for h in out)
+                and any(True for _ in m.parameters())):
+            out.append(name)
+    return out
+
+
+def _cast_to_head(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of an fp32 task head on a 16-bit base: its input in the head's dtype."""
+    dtype = next(module.parameters()).dtype
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
 def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None, alpha: float | None = None,
                dropout: float = 0.0, base_dtype: torch.dtype | None = None, quantize: bool = False,
-               compute_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Freeze ``model``, optionally store its base in ``base_dtype`` or 4-bit NF4 (``quantize``), and
-    inject fp32 peft LoRA adapters (A: R×d_in random, B: d_out×R zeros, scale alpha/R; alpha = 2R
-    by default) on ``targets``, in place. At initialisation the output equals the base's.
+               compute_dtype: torch.dtype = torch.float32, device: str | torch.device | None = None) -> nn.Module:
+    """Freeze ``model``, optionally store its base in ``base_dtype`` or 4-bit NF4 (``quantize``, on
+    ``device``, default: where each weight is), and inject fp32 peft LoRA adapters (A: R×d_in random, B:
+    d_out×R zeros, scale alpha/R; alpha = 2R by default) on ``targets``, in place. ``Conv1D`` targets
+    get peft's ``fan_in_fan_out``. A task head (:func:`task_heads`) trains in full, in fp32. At
+    initialisation the output equals the base's.
 
     >>> from colabkit.models import build_model, count_params
     >>> m = apply_lora(build_model("gpt-tiny"), rank=4)
@@ -200,6 +329,7 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None
     from peft import LoraConfig, inject_adapter_in_model
 
     names = target_modules(model, targets)
+    heads = task_heads(model, exclude=names)
     for p in model.parameters():
         p.requires_grad_(False)
     if quantize:
@@ -218,35 +348,82 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None
                 # permanently (absmax rounded to bf16, double quantization undone): eval would no longer compute
                 # what training did, and the stored bytes would change. Keep one format.
                 m.support_avx512bf16_for_cpu = False
+        warn_unquantized(model)
     elif base_dtype is not None:  # parameters only: buffers such as RoPE's inv_freq keep their precision
         for p in model.parameters():
             p.data = p.data.to(base_dtype)
+    fan_in_fan_out = any(is_conv1d(m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names)
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
-                     target_modules=names, bias="none")
+                     target_modules=names, bias="none", fan_in_fan_out=fan_in_fan_out)
     inject_adapter_in_model(cfg, model)
     for n, p in model.named_parameters():  # adapters train in fp32 whatever the base's dtype
         if "lora_" in n:
             p.data = p.data.float()
             p.requires_grad_(True)
+    for h in heads:  # new task heads train in full, in fp32 (peft's modules_to_save, without the copy)
+        head = model.get_submodule(h)
+        for p in head.parameters():
+            p.data = p.data.float()
+            p.requires_grad_(True)
+        if not getattr(head, "_colabkit_cast", False):
+            head.register_forward_pre_hook(_cast_to_head)
+            head._colabkit_cast = True
     enable_input_grads(model)
-    model._colabkit_lora = {"rank": rank, "targets": names, "quantized": quantize}
+    model._colabkit_lora = {"rank": rank, "targets": names, "quantized": quantize, "heads": heads}
     return model
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter weights (a few MB instead of the whole model)."""
+    """Only what trains: the adapter weights (peft's names) and the task heads' (the model's names)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
+    state = dict(get_peft_model_state_dict(model))
+    for h in (getattr(model, "_colabkit_lora", None) or {}).get("heads", []):
+        state.update({f"{h}.{k}": v for k, v in model.get_submodule(h).state_dict().items()})
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
 def save_adapters(model: nn.Module, path: str) -> str:
-    """Save the adapters only (``torch.save`` of :func:`adapter_state_dict` plus rank and targets).
+    """Save the adapters (and trained task heads) only, as a safetensors file (tensors + rank, targets
+    and heads as JSON metadata): loading it parses bytes, it cannot run code.
 
-    >>> save_adapters(model, "adapters.pt")  # doctest: +SKIP
+    >>> save_adapters(model, "adapters.safetensors")  # doctest: +SKIP
     """
-    torch.save({"lora": model._colabkit_lora, "state": adapter_state_dict(model)}, path)
+    from safetensors.torch import save_file
+
+    if not getattr(model, "_colabkit_lora", None):
+        raise ValueError("this model has no colabkit adapters to save: apply_lora first (a merged model has none)")
+    info = dict(model._colabkit_lora)
+    save_file(adapter_state_dict(model), path, metadata={"format": "colabkit-lora", "lora": json.dumps(info)})
     return path
+
+
+def read_adapters(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(rank/targets/heads, tensors) of an adapter file, never unpickling: a safetensors file, or an
+    older ``torch.save`` file read with ``weights_only=True`` (tensors, numbers, strings, lists, dicts
+    only). Anything else is refused with a ``ValueError`` before any of it runs."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != "colabkit-lora":
+                raise ValueError(f"{path} is a safetensors file but not colabkit adapters (no 'colabkit-lora' "
+                                 "metadata): save adapters with colabkit.save_adapters")
+            return json.loads(meta["lora"]), {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError:
+        pass  # not safetensors: perhaps an adapter file from an older colabkit (torch.save)
+    try:
+        with open(path, "rb") as fh:  # a file object: torch.load would hand a '.safetensors' path back to safetensors
+            saved = torch.load(fh, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"refusing to load {path}: it is neither safetensors nor a weights-only torch file "
+                         f"(it holds objects that unpickling would construct, i.e. code could run). Load adapters "
+                         f"only from files you trust and save them with colabkit.save_adapters "
+                         f"(safetensors). Detail: {str(e).splitlines()[0][:200]}") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("lora"), dict) and isinstance(saved.get("state"), dict)):
+        raise ValueError(f"{path} is not a colabkit adapter file (expected the keys 'lora' and 'state')")
+    return saved["lora"], saved["state"]
 
 
 def load_adapters(model: nn.Module, path: str) -> nn.Module:
@@ -254,16 +431,27 @@ def load_adapters(model: nn.Module, path: str) -> nn.Module:
     (``apply_lora`` with the same rank/targets), or apply them first to a plain base model."""
     from peft import set_peft_model_state_dict
 
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    lora, state = read_adapters(path)
     info = getattr(model, "_colabkit_lora", None)
     if info is None:
-        model = apply_lora(model, saved["lora"]["rank"], saved["lora"]["targets"])
-    elif (info["rank"], list(info["targets"])) != (saved["lora"]["rank"], list(saved["lora"]["targets"])):
-        raise ValueError(f"adapters in {path} have rank {saved['lora']['rank']} on {saved['lora']['targets']}, "
+        model = apply_lora(model, lora["rank"], lora["targets"])
+    elif (info["rank"], list(info["targets"])) != (lora["rank"], list(lora["targets"])):
+        raise ValueError(f"adapters in {path} have rank {lora['rank']} on {lora['targets']}, "
                          f"this model has rank {info['rank']} on {info['targets']}: apply_lora with those first")
-    result = set_peft_model_state_dict(model, saved["state"])
+    heads = model._colabkit_lora.get("heads", [])
+    if sorted(lora.get("heads", [])) != sorted(heads):
+        raise ValueError(f"adapters in {path} were saved with the trained task heads {lora.get('heads', [])}, "
+                         f"this model has {heads}: load them into the same kind of model")
+    head_state = {k: v for k, v in state.items() if any(k.startswith(h + ".") for h in heads)}
+    result = set_peft_model_state_dict(model, {k: v for k, v in state.items() if k not in head_state})
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"adapter keys not in the model: {result.unexpected_keys[:3]}")
+    own = {f"{h}.{k}": v for h in heads for k, v in model.get_submodule(h).state_dict(keep_vars=True).items()}
+    if own.keys() != head_state.keys():
+        raise ValueError(f"{path} does not hold the task heads' tensors {sorted(own.keys() - head_state.keys())[:3]}")
+    with torch.no_grad():
+        for k, v in head_state.items():
+            own[k].copy_(v)
     return model
 
 
@@ -282,9 +470,10 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
 
 
 def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """Fold the adapters into plain ``nn.Linear`` layers (W + scale·B·A) for inference, in place; a
-    4-bit base is dequantized first, so the merged layer is exact up to float rounding (re-quantizing
-    the sum would add a second rounding error). ``dtype`` defaults to the adapter dtype (fp32)."""
+    """Fold the adapters into plain ``nn.Linear`` layers (W + scale·B·A; a ``Conv1D`` base becomes the
+    equivalent ``nn.Linear``) for inference, in place; a 4-bit base is dequantized first, so the merged
+    layer is exact up to float rounding (re-quantizing the sum would add a second rounding error).
+    ``dtype`` defaults to the adapter dtype (fp32)."""
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
@@ -297,8 +486,10 @@ def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
                 w = dequantize(base).float()
             else:
                 w = base.weight.detach().float()
-            for name in child.active_adapters:
+            for name in child.active_adapters:  # in the base's layout: (d_in, d_out) for Conv1D (fan_in_fan_out)
                 w = w + child.get_delta_weight(name).float()
+            if is_conv1d(base):
+                w = w.t()  # (d_out, d_in), as nn.Linear stores it
             out = nn.Linear(w.shape[1], w.shape[0], bias=base.bias is not None, device=w.device,
                             dtype=dtype or torch.float32)
             out.weight.data.copy_(w)
