@@ -182,7 +182,10 @@ class DiskAdamW(torch.optim.Optimizer):
         stepped = {id(self.chunks[k][0]) for k in todo}
         run = self._pool.submit if self._pool is not None else (lambda f, *a: _Done(f(*a)))
         staged = self.pair is not None
-        bring = (lambda i: run(self._read, todo[i], self._buffers[i % 2])) if staged else (lambda i: run(self._map_in, todo[i]))
+        if staged:  # chunk i into pinned buffer i % 2
+            bring = lambda i: run(self._read, todo[i], self._buffers[i % 2])  # noqa: E731
+        else:  # chunk i's pages mapped, writable
+            bring = lambda i: run(self._map_in, todo[i])  # noqa: E731
         pending = bring(0) if todo else None
         for i, k in enumerate(todo):
             state = pending.result()

@@ -203,13 +203,15 @@ class CudaRuntime:
 
     def empty_host_cache(self) -> None:
         """Hand cached pinned blocks nobody uses back to the OS (torch >= 2.8; older: kept cached)."""
-        fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        fn = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+              or getattr(torch._C, "_host_emptyCache", None))
         if fn is not None:
             fn()
 
     def stats(self) -> dict[str, int]:
         s = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        return {"pinned_bytes": s.get("allocated_bytes.current", 0), "pinned_peak_bytes": s.get("allocated_bytes.peak", 0)}
+        return {"pinned_bytes": s.get("allocated_bytes.current", 0),
+                "pinned_peak_bytes": s.get("allocated_bytes.peak", 0)}
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -765,7 +767,8 @@ def activation_offload(pair: DevicePair | None = None) -> Iterator[None]:
     """
     pair = pair or DevicePair("cpu")
     cache = pair.cache
-    cache.trim()
+    if torch.is_grad_enabled():  # a training forward: what the last one did not need goes (not in evaluation)
+        cache.trim()
 
     def pack(t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (or its W.t()) saved
