@@ -41,7 +41,8 @@ from .techniques.accumulation import micro_batch_sizes, window_loss
 from .techniques.compress import int8_saved_tensors
 from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param
 from .techniques.fused_step import FusedStepOptimizer
-from .techniques.offload import DevicePair, HostOptimizer, host_ram_guard, offloaded, pinned_bytes, stream_blocks
+from .techniques.offload import (CudaTwin, DevicePair, HostOptimizer, guard_plan, host_footprint, host_ram_guard, offloaded,
+                                 pinned_bytes, stream_blocks)
 from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora, nf4_bytes, save_adapters
 from .instruct import InstructData, generate
 from .hf import load_hf_4bit

@@ -152,6 +152,40 @@ def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
         yield from tensors_in(dict(optimizer.state))
 
 
+class CudaStats:
+    """The CUDA caching allocator's counters, the tracker's only CUDA calls besides snapshots (a test
+    swaps in a fake allocator here to check the tracker's logic on a CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def peak(self) -> int:
+        """Largest ``allocated()`` since the last :meth:`reset_peak`."""
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def used(self) -> int | None:
+        """The device's used memory as NVML sees it (other processes included), None without NVML."""
+        try:
+            return torch.cuda.device_memory_used(self.device)
+        except Exception:  # no NVML (or AMD without amdsmi): not essential
+            return None
+
+
 @dataclass
 class _Info:
     nbytes: int
@@ -260,6 +294,11 @@ class MemoryTracker:
         self._host_total = 0
         self._phase_max = 0
         self._mode: _Mode | None = None
+        # CUDA's peak counter only goes up until reset, so the tracker resets it at each phase entry
+        # and folds it into the window's peaks and every open phase's (see _cuda_fold)
+        self._cuda = CudaStats(self.device) if self.is_cuda else None
+        self._cuda_peak = self._cuda_peak_reserved = 0
+        self._cuda_open: list[int] = []
         self._hooks: list[Any] = []
         self._t0 = time.perf_counter()
         self._reset_window()
@@ -267,8 +306,9 @@ class MemoryTracker:
     # ----- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda.synchronize()
+            self._cuda.reset_peak()
+            self._cuda_peak = self._cuda_peak_reserved = 0
             if self.record_history:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
         if self.categories:
@@ -313,11 +353,18 @@ class MemoryTracker:
         if step is not None:
             self._step = step
         self._phase, self._phase_max = name, self._current()
+        if self.is_cuda:  # this phase's CUDA peak starts here, not at the last reset
+            self._cuda_fold()
+            self._cuda_open.append(self._cuda.allocated())
         try:
             yield self
         finally:
             self._classify()
-            self._sample(name)
+            cuda_peak = None
+            if self.is_cuda:
+                self._cuda_fold()
+                cuda_peak = self._cuda_open.pop()
+            self._sample(name, cuda_peak)
             self._phase = prev
 
     def set_step(self, step: int) -> None:
@@ -330,8 +377,21 @@ class MemoryTracker:
         self._fold()
         self._reset_window()
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda.synchronize()
+            self._cuda.reset_peak()
+            now = self._cuda.allocated()
+            self._cuda_peak, self._cuda_peak_reserved = now, self._cuda.reserved()
+            self._cuda_open = [now for _ in self._cuda_open]
+
+    def _cuda_fold(self) -> int:
+        """Fold CUDA's peak since its last reset into the window's peaks and every open phase's, then
+        reset it; returns that peak."""
+        peak = self._cuda.peak()
+        self._cuda_peak = max(self._cuda_peak, peak)
+        self._cuda_peak_reserved = max(self._cuda_peak_reserved, self._cuda.peak_reserved())
+        self._cuda_open = [max(p, peak) for p in self._cuda_open]
+        self._cuda.reset_peak()
+        return peak
 
     # ----- bookkeeping ------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
@@ -430,7 +490,7 @@ class MemoryTracker:
 
     def _current(self) -> int:
         if self.is_cuda and not self.categories:
-            return torch.cuda.memory_allocated(self.device)
+            return self._cuda.allocated()
         return self._total
 
     def _reset_window(self) -> None:
@@ -493,7 +553,7 @@ class MemoryTracker:
                 self._infos.pop(key, None)
 
     # ----- samples, alerts ---------------------------------------------------------------------
-    def _sample(self, phase: str) -> dict:
+    def _sample(self, phase: str, cuda_peak: int | None = None) -> dict:
         cats = self.current()
         with self._lock:
             now, pmax = self._current(), max(self._phase_max, self._current())
@@ -507,10 +567,10 @@ class MemoryTracker:
             "reserved": None,
             "host_rss": host_ram()["rss"],
         }
-        if self.is_cuda:
-            s["allocated_cuda"] = torch.cuda.memory_allocated(self.device)
-            s["reserved"] = torch.cuda.memory_reserved(self.device)
-            s["phase_peak_cuda"] = torch.cuda.max_memory_allocated(self.device)
+        if self.is_cuda:  # phase_peak_cuda: this phase's peak (a sample outside phases: since the last one)
+            s["allocated_cuda"] = self._cuda.allocated()
+            s["reserved"] = self._cuda.reserved()
+            s["phase_peak_cuda"] = cuda_peak if cuda_peak is not None else self._cuda_fold()
         self._phase_max = now
         self.timeline.append(s)
         if self.alert_at is not None and not self.alerts and max(pmax, s.get("allocated_cuda") or 0) > self.alert_at * self.budget_bytes:
@@ -572,13 +632,11 @@ class MemoryTracker:
             "host_bytes": self._host_peak,  # host side (offload), each category's peak below
             "host_breakdown": dict(self._host_cat_peak),
         }
-        if self.is_cuda:
-            r["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            r["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
-            try:
-                r["device_used_bytes"] = torch.cuda.device_memory_used(self.device)  # NVML
-            except Exception:  # no NVML (or AMD without amdsmi): not essential
-                r["device_used_bytes"] = None
+        if self.is_cuda:  # max_memory_allocated over the window, folded across the per-phase resets
+            self._cuda_fold()
+            r["peak_bytes"] = self._cuda_peak
+            r["peak_reserved_bytes"] = self._cuda_peak_reserved
+            r["device_used_bytes"] = self._cuda.used()  # NVML
         if not self.categories:
             r["breakdown"] = r["at_peak"] = r["host_breakdown"] = None
             r["tracked_peak_bytes"] = r["host_bytes"] = None

@@ -208,10 +208,12 @@ def _steps(make, plan, n):
 def test_pinned_rounding_gpt2_1_5b():
     # issue 11: offloading gpt2-1.5b's fp32 masters + gradient buffers: 11.6 GiB planned, 17.5 GiB taken
     with torch.device("meta"):
-        params = list(build_model("gpt2-1.5b").parameters())
+        model = build_model("gpt2-1.5b")
+    params = list(model.parameters())
     GiB = 2**30
-    plain = off.optimizer_host_bytes(params, 0, pair_cuda=False)
-    pinned = off.optimizer_host_bytes(params, 0, pair_cuda=True)
+    plain = 8 * sum(p.numel() for p in params)  # fp32 master + gradient buffer, as asked for
+    f = off.host_footprint(model, ["optimizer"], 0)
+    pinned = f["params"] + f["grads"]  # as CUDA's host allocator takes them
     assert plain / GiB == pytest.approx(11.6, abs=0.05)
     assert pinned / GiB == pytest.approx(17.5, abs=0.05)
     assert off.pinned_bytes(33_000_000) == 1 << 25 and off.pinned_bytes(1 << 25) == 1 << 25
@@ -313,3 +315,106 @@ def test_host_optimizer_against_torchao_cpu_offload(monkeypatch):
     assert ours.host_bytes() >= 16 * n and theirs_host >= 16 * n_off and n_off < n
     print(f"20 steps gpt:2x64 on CPU: ours {t_ours:.2f} s, torchao {t_theirs:.2f} s; host RAM ours "
           f"{ours.host_bytes()} B ({n} params), torchao {theirs_host} B ({n_off} offloaded); max weight diff {diff(b):.1e}")
+
+
+# ----- issue 24 (3): one host-RAM guard counting weights, gradients and optimizer state -----------
+from colabkit.memory import MemoryTracker  # noqa: E402
+
+
+def _guard_and_measured(plan, steps=2):
+    """A simulated run under the tracker: the guard's figure for it, and the host RAM it measurably
+    took (the tracker's host-side peak plus the twin's rounding of pinned blocks to a power of two)."""
+    torch.manual_seed(0)
+    model = build_model("gpt:4x128", seq=64)
+    kinds = [k.split(":")[1] for k in plan.split("+")]
+    guard = sum(off.host_footprint(model, kinds, "adamw").values())
+    with MemoryTracker(device="cpu", alert_at=None) as mt:
+        t = Trainer(model, plan, device="cpu", offload_sim=True, tracker=mt)
+        for i in range(steps):
+            t.step(*TextData().batch(4, 64, step=i))
+    s = off.pair_of(t.model, "cpu").stats()
+    return guard, mt.report()["host_bytes"] + s["pinned_peak_bytes"] - s["payload_peak_bytes"]
+
+
+@pytest.mark.parametrize("plan", ["offload:params", "offload:optimizer", "offload:optimizer+offload:params"])
+def test_guard_figure_matches_the_measured_host_bytes(plan):
+    # within 5%: the difference is AdamW's per-tensor step scalars and what a peak catches mid-step.
+    # The old guard checked the streamed weights alone (4 B/param) against ~16 B/param taken.
+    guard, measured = _guard_and_measured(plan)
+    assert abs(guard - measured) <= 0.05 * measured, (guard, measured)
+
+
+def test_plan_over_host_ram_is_refused_before_anything_moves(monkeypatch):
+    model = build_model("gpt:4x128", seq=64)
+    blocks = off.blocks_of(model)
+    old_figure = sum(off.pinned_bytes(t.numel() * t.element_size()) for t in list(blocks.parameters()) + list(blocks.buffers()))
+    real = sum(off.host_footprint(model, ["params"], "adamw").values())
+    assert real > 3 * old_figure
+    # enough RAM for what the old guard counted, not for what the plan takes
+    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + (old_figure + real) // 2})
+    with MemoryTracker(device="cpu", alert_at=None) as mt:
+        with pytest.raises(PlanError, match="block parameters .* gradient buffers .* optimizer state"):
+            Trainer(model, "offload:params", device="cpu", offload_sim=True)
+    assert mt.report()["host_bytes"] == 0  # nothing went to the host side before the refusal
+    assert not any(getattr(p, "_colabkit_host", False) for p in model.parameters())
+    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + real + (1 << 20)})
+    Trainer(model, "offload:params", device="cpu", offload_sim=True)  # control: with the room, it runs
+
+
+def test_offloaded_pinned_counts_pinned_rounding(monkeypatch):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1100, 1000)  # 4.4 MB of weight: an 8 MiB pinned block per moment
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 1100)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    moments = sum(v.numel() * 4 for s in opt.state.values() for k, v in s.items() if k != "step")
+    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + int(1.5 * moments)})
+    with off.offloaded(opt, m, "cpu"):  # pageable: fits
+        pass
+    with pytest.raises(PlanError, match=r"\(pinned\) needs 16.0 MiB"):  # pinned: two 8 MiB blocks
+        with off.offloaded(opt, m, "pinned"):
+            pass
+
+
+# ----- issue 24 (7): saved activations and streamed gradients go out on the side stream -----------
+def _no_blocking_copies(monkeypatch):
+    def blocking(self, t):
+        raise AssertionError("a blocking copy to the host inside the step")
+    monkeypatch.setattr(off.DevicePair, "to_host", blocking)
+
+
+@pytest.mark.parametrize("plan", ["offload:activations", "offload:params"])
+def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
+    torch.manual_seed(0)
+    ref = Trainer(build_model("gpt:2x64", seq=32), "baseline", device="cpu")
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x64", seq=32), plan, device="cpu", offload_sim=True)
+    _no_blocking_copies(monkeypatch)  # after setup (which places the weights with blocking copies)
+    pair = off.pair_of(t.model, "cpu")
+    for i in range(2):
+        x, y = TextData().batch(4, 32, step=i)
+        assert t.step(x, y) == pytest.approx(ref.step(x, y), rel=1e-6)
+    s = pair.stats()
+    # every copy went through the side stream and was waited for before use; none read poison
+    assert s["copies"] > 0 and "poisoned" not in s
+    if plan == "offload:activations":
+        assert s["stream_waits"] == s["copies"]  # each copy back waits for its own copy's event only
+    else:
+        assert s["syncs"] == 2  # streamed gradients: one wait per backward, when it ends
+
+
+def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x64", seq=32), "offload:activations", device="cpu", offload_sim=True)
+    cache = off.pair_of(t.model, "cpu").cache
+    t.step(*TextData().batch(16, 32, step=0))
+    big = cache.held
+    for i in range(2):  # the next steps are 8x smaller: what the big batch needed is handed back
+        t.step(*TextData().batch(2, 32, step=1 + i))
+    small_need = cache.cycle_peak
+    assert big > 4 * cache.held and cache.held <= 2 * small_need, (big, cache.held, small_need)
+    free, held = off.HOST_RESERVE + (256 << 10), cache.held  # RAM left; what the cache takes from now on comes out of it
+    monkeypatch.setattr(off, "host_ram", lambda: {"available": free - (cache.held - held)})
+    with pytest.raises(PlanError, match="saved activations"):  # a larger batch: the cache would outgrow RAM
+        t.step(*TextData().batch(16, 32, step=5))

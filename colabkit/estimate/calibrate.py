@@ -79,13 +79,12 @@ def measure_device(cases=CASES) -> dict[str, Any]:
     steps = []
     for model, plan, batch, seq in cases:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         r = measure(model, plan, batch=batch, seq=seq, steps=2, device="cuda")
         if not r["ok"]:
             raise RuntimeError(f"calibration step {model} {plan} failed: {r['error']}")
+        # the tracker resets CUDA's peak counters at each phase: its report folds them over the steps
         steps.append({"model": model, "plan": plan, "batch": batch, "seq": seq,
-                      "allocated_peak": int(torch.cuda.max_memory_allocated()),
-                      "reserved_peak": int(torch.cuda.max_memory_reserved())})
+                      "allocated_peak": int(r["peak_bytes"]), "reserved_peak": int(r["peak_reserved_bytes"])})
     last = _read_device()
     name = torch.cuda.get_device_name()
     return {"gpu": name, "capability": list(torch.cuda.get_device_capability()),

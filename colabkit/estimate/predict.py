@@ -20,7 +20,7 @@ from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
 from ..models import gpt_config, hub_config
 from ..plan import REGISTRY, Context, Plan
-from ..techniques.disk_offload import CHUNK_ELEMS, disk_state_bytes, offload_dir
+from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_bytes
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
 from .zero import for_rank, zero_per_rank
@@ -63,7 +63,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
                                    CUDA_ALLOC_ROUND if profile else 1, notes, profile)
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
-    disk_bytes = _disk_split(t, notes) if disk else 0
+    disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
     phases = {p: _host_split(v["own"], v["at_peak"], offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), [])
               for p, v in t["phase_peaks"].items()}
@@ -170,13 +170,14 @@ def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
         d["peak_bytes" if d is t else "peak"] = sum(d["at_peak"].values())
 
 
-def _disk_split(t: dict[str, Any], notes: list[str]) -> int:
-    """``offload:disk``: the traced AdamW state goes to the state file; RAM (and, per chunk, the GPU) keeps
-    :class:`~colabkit.techniques.disk_offload.DiskAdamW`'s two chunk buffers. Returns the file's bytes."""
+def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:
+    """``offload:disk``: the traced AdamW state goes to the state file; on a GPU, RAM (pinned) and per chunk
+    the GPU keep :class:`~colabkit.techniques.disk_offload.DiskAdamW`'s two chunk buffers; on a CPU the
+    update runs in place on the file's mapped pages (no tensor). Returns the file's bytes."""
     shapes = t["trainable_shapes"]
     n = sum(math.prod(s) for s in shapes)
-    biggest = min(CHUNK_ELEMS, max((math.prod(s) for s in shapes), default=0))
-    buffers = 2 * 2 * 4 * biggest  # two buffers of (exp_avg, exp_avg_sq) chunks, fp32
+    window = ram_window_bytes(shapes)  # two chunks of (exp_avg, exp_avg_sq), fp32
+    buffers = window if gpu else 0
     for d in [t["breakdown"], t["at_peak"]] + [v[k] for v in t["phase_peaks"].values() for k in ("own", "at_peak")]:
         d["optimizer"] = min(d["optimizer"], buffers)
     for v in t["phase_peaks"].values():
@@ -184,7 +185,8 @@ def _disk_split(t: dict[str, Any], notes: list[str]) -> int:
     t["peak_bytes"] = sum(t["at_peak"].values())
     file_bytes = disk_state_bytes(n)
     notes.append(f"offload:disk: AdamW state in a memory-mapped file ({fmt_bytes(file_bytes)}, 8 B/param); "
-                 f"RAM keeps two chunk buffers ({fmt_bytes(buffers)})")
+                 + (f"RAM keeps two chunk buffers ({fmt_bytes(window)})" if gpu else
+                    f"updated in place on its mapped pages, at most two chunks ({fmt_bytes(window)}) at a time"))
     return file_bytes
 
 

@@ -2,12 +2,20 @@
 
 The two Adam moments (8 B per parameter) sit in one file in ``COLABKIT_OFFLOAD_DIR`` (default: a
 temporary folder; on Colab use the VM's local SSD, not Drive). A step walks the parameters in chunks of
-``chunk_elems`` elements: while chunk i is updated, a background thread reads chunk i+1 into the other
-of two buffers, and writes chunk i back after it (double buffering, as DeepSpeed's ZeRO-Infinity
-pipelines NVMe reads and writes). Neither device memory nor host RAM ever holds the whole state: RAM
-holds the two chunk buffers; pages of the file the step touched are handed back to the kernel
-(``MADV_DONTNEED``) as soon as their chunk is written and again after the step, so the process's
+``chunk_elems`` elements (1 Mi: 8 MiB of state), each starting on a page of the file; while chunk i is
+updated, a background thread brings chunk i+1 in (double buffering, as DeepSpeed's ZeRO-Infinity
+pipelines NVMe reads and writes), and hands chunk i's pages back to the kernel after it
+(``MADV_DONTNEED``), so neither device memory nor host RAM ever holds the whole state and the process's
 resident memory stays flat (the kernel's page cache may keep recently written pages: reclaimable).
+
+* Parameters in host RAM (a CPU run): the update runs **in place on the mapped pages** — no copy of the
+  state at all. The prefetch maps chunk i+1 writable in one call (``MADV_POPULATE_WRITE``, reading it
+  from disk if needed) instead of one page fault per 4 KiB; two calls per chunk in all.
+* Parameters on a GPU: chunk i+1 is copied into a pinned buffer by the background thread, goes to the
+  GPU with a non-blocking copy, is updated there, and comes back on the :class:`DevicePair`'s side
+  stream; the background thread waits for that copy's event before it writes the chunk back. The main
+  thread never blocks on the GPU inside a step (the old code synchronised twice per 64 Ki-element
+  chunk); it waits once, at the end of the step, for the last write.
 
 The update itself is torch's own AdamW kernel (``torch.optim.adamw.adamw``, single-tensor path) on
 flat slices of each parameter, so the weights equal ``torch.optim.AdamW``'s (tested over many steps).
@@ -18,12 +26,15 @@ flat slices of each parameter, so the weights equal ``torch.optim.AdamW``'s (tes
 >>> m(torch.ones(2, 8)).sum().backward(); opt.step()
 >>> opt.file_bytes == 8 * sum(p.numel() for p in m.parameters()), opt.n_chunks
 (True, 3)
+>>> opt.close()
 """
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
+import sys
 import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +44,25 @@ import torch
 from torch.optim.adamw import adamw as _adamw  # torch's own AdamW math (functional form)
 
 from ..plan import Context, Plan, PlanError, Technique, register, flag
+from .offload import DevicePair
 from .optimizers import state_bytes_per_param
 
 PAGE = mmap.PAGESIZE
-CHUNK_ELEMS = 1 << 16  # 64 Ki elements: 512 KiB of state per chunk (two fp32 moments)
+CHUNK_ELEMS = 1 << 20  # 1 Mi elements: 8 MiB of state per chunk (two fp32 moments)
+# Linux >= 5.14: populate the page tables of a range, writable, in one call (Python's mmap module
+# names it from 3.13 on); elsewhere the pages are faulted in on first touch.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+
+
+def ram_window_bytes(shapes: Iterable[Any], chunk_elems: int = CHUNK_ELEMS) -> int:
+    """RAM the state takes during a step: two chunks of (exp_avg, exp_avg_sq), fp32 — mapped pages of the
+    file on a CPU run, pinned buffers (and per chunk the same on the GPU) on a GPU run.
+
+    >>> ram_window_bytes([(4096, 1024), (10,)]) == 2 * 8 * (1 << 20)
+    True
+    """
+    biggest = max((math.prod(s) for s in shapes), default=0)
+    return 2 * 8 * min(chunk_elems, biggest)
 
 
 def offload_dir(directory: str | None = None) -> str:
@@ -63,11 +89,13 @@ class DiskAdamW(torch.optim.Optimizer):
 
     ``chunks`` lists ``(param, start, stop, file_offset)``: flat element ranges of each parameter,
     at most ``chunk_elems`` long, each starting on a page boundary of the file (exp_avg, then exp_avg_sq).
+    ``pair``: the :class:`DevicePair` of the staged path (made for GPU parameters; pass
+    ``DevicePair("cpu")`` to run that path on a CPU against the CUDA twin).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None,
-                 chunk_elems: int = CHUNK_ELEMS, prefetch: bool = True):
+                 chunk_elems: int = CHUNK_ELEMS, prefetch: bool = True, pair: DevicePair | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         own_dir = directory is None and not os.environ.get("COLABKIT_OFFLOAD_DIR")
         self.directory = offload_dir(directory)
@@ -78,7 +106,7 @@ class DiskAdamW(torch.optim.Optimizer):
             for a in range(0, p.numel(), chunk_elems):
                 b = min(p.numel(), a + chunk_elems)
                 self.chunks.append((p, a, b, offset))
-                offset += -(-(8 * (b - a)) // PAGE) * PAGE  # page-aligned: each chunk can be dropped alone
+                offset += _pages(b - a)  # page-aligned: each chunk can be mapped and dropped alone
         self.n_chunks = len(self.chunks)
         self.file_bytes = 8 * sum(b - a for _, a, b, _ in self.chunks)  # payload; the file adds page padding
         self.path = os.path.join(self.directory, f"adamw-state-{os.getpid()}-{id(self):x}.bin")
@@ -92,10 +120,13 @@ class DiskAdamW(torch.optim.Optimizer):
             _release(None, None, None, self.path, self.directory if own_dir else None)
             raise PlanError(_unusable(self.directory, e)) from None
         self._mm = mmap.mmap(self._file.fileno(), 0)
-        # host buffers for two chunks (current + prefetched): the only RAM the state ever takes
+        self._populate = MADV_POPULATE_WRITE
+        gpu = next((p.device for p, *_ in self.chunks if p.device.type == "cuda"), None)
+        self.pair = pair if pair is not None else DevicePair(gpu) if gpu is not None else None
+        # staged path: pinned buffers for two chunks (current + prefetched), the only RAM the state takes
         biggest = max((b - a for _, a, b, _ in self.chunks), default=0)
-        pin = any(p.is_cuda for p, *_ in self.chunks) and torch.cuda.is_available()
-        self._buffers = [torch.zeros(2, biggest, pin_memory=pin) for _ in range(2)]
+        self._buffers = [self.pair.host_empty((2, biggest), torch.float32) for _ in range(2)] if self.pair else []
+        self.window_bytes = 2 * 8 * biggest  # RAM that two chunks of state take during a step
         self._steps: dict[int, int] = {}  # id(param) -> Adam step count
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colabkit-disk") if prefetch else None
         self._finalizer = weakref.finalize(self, _release, self._pool, self._mm, self._file, self.path,
@@ -107,23 +138,40 @@ class DiskAdamW(torch.optim.Optimizer):
                                       "group to the constructor (e.g. unfreeze layers, then build the optimizer)")
         super().add_param_group(param_group)
 
-    # ----- file IO: the only code that touches the file ---------------------------------------
+    # ----- file IO: the only code that touches the file (the background thread runs it) --------
     def _view(self, k: int) -> torch.Tensor:
         """Chunk k's (2, n) moments, as a tensor over the mapped file (no copy)."""
         _, a, b, off = self.chunks[k]
         return torch.frombuffer(self._mm, dtype=torch.float32, count=2 * (b - a), offset=off).view(2, b - a)
 
+    def _map_in(self, k: int) -> None:
+        """Map chunk k's pages writable now (reading them from disk if needed): one call, not a page
+        fault per 4 KiB when the update touches them."""
+        if self._populate is not None:
+            _, a, b, off = self.chunks[k]
+            try:
+                self._mm.madvise(self._populate, off, _pages(b - a))
+            except OSError:  # a kernel before 5.14: fault the pages in on first touch
+                self._populate = None
+
+    def _drop(self, k: int) -> None:
+        """Chunk k's pages leave this process (written ones stay in the page cache, bound for the file)."""
+        _, a, b, off = self.chunks[k]
+        self._mm.madvise(mmap.MADV_DONTNEED, off, _pages(b - a))
+
     def _read(self, k: int, buf: torch.Tensor) -> torch.Tensor:
+        """Staged path: chunk k into a pinned buffer."""
+        self._map_in(k)
         n = self.chunks[k][2] - self.chunks[k][1]
         out = buf[:, :n]
         out.copy_(self._view(k))
         return out
 
-    def _write(self, k: int, buf: torch.Tensor) -> None:
-        _, a, b, off = self.chunks[k]
-        self._view(k).copy_(buf[:, : b - a])
-        length = -(-(8 * (b - a)) // PAGE) * PAGE
-        self._mm.madvise(mmap.MADV_DONTNEED, off, length)  # written to the page cache; out of this process
+    def _write_back(self, k: int, buf: torch.Tensor, event: Any) -> None:
+        """Staged path: once the copy back from the GPU has landed (``event``), chunk k to the file."""
+        self.pair.wait_host(event)
+        self._view(k).copy_(buf)
+        self._drop(k)
 
     # ----- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -131,28 +179,35 @@ class DiskAdamW(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         todo = [k for k, (p, *_) in enumerate(self.chunks) if p.grad is not None]
-        stepped: set[int] = set()
+        stepped = {id(self.chunks[k][0]) for k in todo}
         run = self._pool.submit if self._pool is not None else (lambda f, *a: _Done(f(*a)))
-        pending = run(self._read, todo[0], self._buffers[0]) if todo else None
+        staged = self.pair is not None
+        if staged:  # chunk i into pinned buffer i % 2
+            bring = lambda i: run(self._read, todo[i], self._buffers[i % 2])  # noqa: E731
+        else:  # chunk i's pages mapped, writable
+            bring = lambda i: run(self._map_in, todo[i])  # noqa: E731
+        pending = bring(0) if todo else None
         for i, k in enumerate(todo):
             state = pending.result()
             if i + 1 < len(todo):  # FIFO worker: this read runs after the previous chunk's write
-                pending = run(self._read, todo[i + 1], self._buffers[(i + 1) % 2])
+                pending = bring(i + 1)
             p, a, b, _ = self.chunks[k]
             g = group_of[id(p)]
-            step = self._steps.get(id(p), 0)
-            flat = p.view(-1)[a:b]
-            m, v = state[0].to(p.device, non_blocking=True), state[1].to(p.device, non_blocking=True)
-            _adamw([flat], [p.grad.view(-1)[a:b]], [m], [v], [],
-                                    [torch.tensor(float(step))], foreach=False, capturable=False,
-                                    differentiable=False, fused=None, grad_scale=None, found_inf=None,
-                                    amsgrad=False, beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
-                                    weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
-            if m.device != state.device:
-                state[0].copy_(m)
-                state[1].copy_(v)
-            stepped.add(id(p))
-            run(self._write, k, state)
+            mv = self.pair.to_compute(state) if staged else self._view(k)  # staged: (2, n) on the GPU
+            _adamw([p.view(-1)[a:b]], [p.grad.view(-1)[a:b]], [mv[0]], [mv[1]], [],
+                   [torch.tensor(float(self._steps.get(id(p), 0)))], foreach=False, capturable=False,
+                   differentiable=False, fused=None, grad_scale=None, found_inf=None,
+                   amsgrad=False, beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
+                   weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+            if staged:
+                with self.pair.side():  # back to the pinned buffer, after the update
+                    self.pair.copy_(state, mv)
+                self.pair.lend(mv)
+                landed = self.pair.done()
+                del mv  # freed now, while the copy may still be queued: record_stream keeps its memory
+                run(self._write_back, k, state, landed)
+            else:
+                run(self._drop, k)
         if self._pool is not None and todo:
             self._pool.submit(lambda: None).result()  # every write of this step is in the file
         # a read fault also maps up to 64 KiB of neighbouring cached pages (the kernel's fault-around):
@@ -164,7 +219,8 @@ class DiskAdamW(torch.optim.Optimizer):
 
     # ----- what the tracker, the checkpoints and the estimator see -----------------------------
     def state_tensors(self):
-        """The RAM the state takes: the two chunk buffers (the file is on disk)."""
+        """Tensors the state takes in memory: the two pinned chunk buffers of the staged path; none when
+        the update runs in place on the file's pages (those are page cache, ``window_bytes`` at most)."""
         return iter(self._buffers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -209,6 +265,11 @@ class DiskAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Unmap and delete the state file (also done when the optimizer is collected, or at exit)."""
         self._finalizer()
+
+
+def _pages(n_elems: int) -> int:
+    """File bytes of a chunk of ``n_elems`` elements: two fp32 moments, rounded up to whole pages."""
+    return -(-(8 * n_elems) // PAGE) * PAGE
 
 
 def _reserve(fd: int, size: int) -> None:

@@ -3,23 +3,28 @@
 * ``offload:optimizer`` — optimizer state and fp32 master weights live in (pinned) host RAM; each
   gradient is copied to the host inside backward as soon as it is complete (a side stream overlaps
   the copy with the rest of backward), the update runs on the CPU, new weights are copied back.
-* ``offload:activations`` — tensors saved for backward go to pinned host memory during forward and
-  come back for backward (the same pack/unpack as ``torch.autograd.graph.save_on_cpu``).
+* ``offload:activations`` — tensors saved for backward go to pinned host blocks during forward and
+  come back for backward (``torch.autograd.graph.save_on_cpu``'s pack/unpack, but asynchronous: the
+  copies run on a side stream, each copy back waits only for its own event).
 * ``offload:params`` — layer streaming: block parameters live in host RAM; a block's weights are
   copied in just before it runs (the next block's copy prefetched on a side stream), in forward
   and again in backward, where the block is recomputed (RNG state replayed, as in
-  ``torch.utils.checkpoint``); its gradients go straight to the host.
+  ``torch.utils.checkpoint``); its gradients go to pinned host buffers on the side stream, waited
+  for once at the end of backward.
 * :func:`offloaded` — phase-aware offload for evaluation / generation: optimizer state (and any
   gradients) leave the GPU for the block and come back before the next step.
 
-Every move goes through a :class:`DevicePair` (compute side, host side). On CUDA it uses pinned
-memory, a side stream, events and non-blocking copies. On a CPU run the tokens are refused (there is
-nothing to offload to) unless offload is **simulated** (``offload_sim=True``, ``--offload-sim``):
-both sides are then the CPU, the pair's few low-level calls fall back to plain CPU ones, and every
-other line — copies, prefetch, recompute, master weights — is the code a GPU runs. Host-side
-storages are tagged, so the tracker reports them apart (``host_bytes``, ``host_breakdown``).
-A host-RAM guard (:func:`host_ram_guard`) refuses any offload that would not fit in host RAM — a
-Colab VM is killed, not warned, when it runs out (~12.7 GB).
+Every move goes through a :class:`DevicePair` (compute side, host side), the only code that calls CUDA:
+pinned memory, a side stream, events, ``record_stream`` and non-blocking copies. On a CPU run the
+tokens are refused (there is nothing to offload to) unless offload is **simulated**
+(``offload_sim=True``, ``--offload-sim``): both sides are then the CPU and the pair runs the same
+statements against :class:`CudaTwin`, a CPU model of CUDA's ordering rules (a copy on the side stream
+lands only once it is waited for; until then, or if its source was freed without ``record_stream``,
+its destination holds NaN), so every other line — copies, prefetch, recompute, master weights — is
+the code a GPU runs, and a missing wait fails in CI. Host-side storages are tagged, so the tracker
+reports them apart (``host_bytes``, ``host_breakdown``). One host-RAM guard (:func:`guard_plan`)
+refuses a plan whose weights, gradients and optimizer state would not fit in host RAM (pinned blocks
+rounded up as CUDA does) before anything moves — a Colab VM is killed, not warned, when it runs out.
 
 >>> from colabkit.plan import Plan, Context, PlanError
 >>> try:
@@ -33,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -87,88 +94,417 @@ def host_ram_guard(nbytes: int, what: str, available: int | None = None, reserve
     return available - nbytes
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def host_footprint(model: nn.Module, kinds: Iterable[str], optimizer: str | float = "adamw") -> dict[str, int]:
+    """Host RAM that offloading ``kinds`` of ``model`` takes, by category, every pinned block rounded up
+    by :func:`pinned_bytes` (on CUDA, and in the twin that models it):
+
+    * ``params``: block parameters and buffers kept host side (``offload:params``, pinned), and the fp32
+      master copy of every other trainable parameter (``offload:optimizer``, pinned);
+    * ``grads``: a pinned gradient buffer per trainable parameter of either kind (streamed gradients
+      land in a new one each step; ``offload:optimizer`` keeps one);
+    * ``optimizer``: the optimizer's state for all of them (pageable: ``HostStateOptimizer`` /
+      ``HostOptimizer`` step on the host): ``optimizer`` is a token (its formula per shape,
+      :func:`~colabkit.techniques.optimizers.state_bytes_per_param`) or bytes per parameter;
+    * ``step``: the temporaries of that step on the host, twice the largest such parameter (torch's
+      single-tensor AdamW, the path it takes on CPU tensors, holds about two parameter-sized
+      temporaries at a time: measured 2.25x under the tracker, CPU, 2026-11-23).
+
+    ``offload:activations`` depends on the batch: its pinned cache is guarded as it grows.
+
+    >>> from colabkit.models import build_model
+    >>> f = host_footprint(build_model("gpt:2x32"), ["params"], "adamw")
+    >>> f["params"] >= 4 * sum(p.numel() for p in build_model("gpt:2x32").blocks.parameters()), f["optimizer"] > 0
+    (True, True)
+    """
+    kinds = set(kinds)
+    out = dict.fromkeys(("params", "grads", "optimizer", "step"), 0)
+    biggest = 0
+
+    def state(p: torch.Tensor) -> int:
+        if not isinstance(optimizer, str):
+            return int(p.numel() * optimizer)
+        try:
+            return int(p.numel() * state_bytes_per_param(optimizer, tuple(p.shape)))
+        except ValueError:  # shape-dependent state the formula cannot give (galore): AdamW's as the bound
+            return 8 * p.numel()
+
+    streamed: set[int] = set()
+    if "params" in kinds:
+        blocks = blocks_of(model)
+        for t in list(blocks.parameters()) + list(blocks.buffers()):
+            streamed.add(id(t))
+            out["params"] += pinned_bytes(t.numel() * t.element_size())
+        for p in blocks.parameters():
+            if p.requires_grad:
+                out["grads"] += pinned_bytes(p.numel() * p.element_size())
+                out["optimizer"] += state(p)
+                biggest = max(biggest, p.numel() * p.element_size())
+    if "optimizer" in kinds:
+        for p in model.parameters():
+            if p.requires_grad and id(p) not in streamed:
+                out["params"] += pinned_bytes(p.numel() * p.element_size())
+                out["grads"] += pinned_bytes(p.numel() * p.element_size())
+                out["optimizer"] += state(p)
+                biggest = max(biggest, p.numel() * p.element_size())
+    out["step"] = 2 * biggest
+    return out
+
+
+def guard_plan(model: nn.Module, kinds: Iterable[str], optimizer: str | float = "adamw",
+               available: int | None = None) -> dict[str, int]:
+    """The one host-RAM guard of an offload plan: :func:`host_footprint` against the RAM available,
+    before anything moves. Returns the footprint; raises PlanError naming it when it does not fit."""
+    kinds = set(kinds)
+    f = host_footprint(model, kinds, optimizer)
+    names = {"params": " and ".join(n for k, n in (("params", "block parameters"), ("optimizer", "fp32 master weights"))
+                                    if k in kinds),
+             "grads": "gradient buffers", "optimizer": "optimizer state", "step": "step temporaries"}
+    parts = ", ".join(f"{names[k]} {fmt_bytes(v)}" for k, v in f.items() if v)
+    host_ram_guard(sum(f.values()), f"{' + '.join('offload:' + k for k in sorted(kinds))} ({parts}; pinned "
+                   "blocks rounded up to a power of two)", available=available)
+    return f
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pageable host copy (``offloaded(strategy="cpu")``)."""
     with host_side():
-        h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        h = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         h.copy_(t.detach())
     return mark_host(h)
 
 
-# ----- the device pair: the only lines that differ between CUDA and the CPU simulation ----------
+# ----- the runtimes under DevicePair: CUDA itself, or the CPU twin that models its ordering rules ---
+class CudaRuntime:
+    """The CUDA calls :class:`DevicePair` makes, bound to one device (the only CUDA-only code of offload)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def Stream(self) -> Any:  # noqa: N802 (torch.cuda's names)
+        return torch.cuda.Stream(self.device)
+
+    def Event(self) -> Any:  # noqa: N802
+        return torch.cuda.Event()
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, s: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(s)
+
+    def record_stream(self, t: torch.Tensor, s: Any) -> None:
+        t.record_stream(s)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def empty_host_cache(self) -> None:
+        """Hand cached pinned blocks nobody uses back to the OS (torch >= 2.8; older: kept cached)."""
+        fn = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+              or getattr(torch._C, "_host_emptyCache", None))
+        if fn is not None:
+            fn()
+
+    def stats(self) -> dict[str, int]:
+        s = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return {"pinned_bytes": s.get("allocated_bytes.current", 0),
+                "pinned_peak_bytes": s.get("allocated_bytes.peak", 0)}
+
+
+def _poison(t: torch.Tensor) -> None:
+    """What a buffer holds before its copy lands: NaN (floats), the largest value (integers)."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _snapshot(t: torch.Tensor) -> Any:
+    """A private copy of ``t``'s values, made through NumPy so that no tracker sees an allocation;
+    returns a callable that gives it back as a tensor of ``t``'s dtype and shape."""
+    bits = t.detach()
+    if bits.dtype != torch.bool:
+        bits = bits.view(_SAME_SIZE_INT[t.element_size()])
+    arr, dtype = bits.numpy().copy(), t.dtype
+    return lambda: torch.from_numpy(arr).view(dtype)
+
+
+class _TwinEvent:
+    def __init__(self, twin: "CudaTwin"):
+        self.twin, self.stream, self.seq = twin, None, -1
+
+    def record(self, stream: Any = None) -> None:
+        self.stream = stream or self.twin.current_stream()
+        self.seq = self.stream.issued  # everything issued on that stream so far
+
+    def synchronize(self) -> None:
+        """The host waits for the event: the copies before it land."""
+        self.twin.count("event_waits")
+        if self.stream is not None:
+            self.stream.land(self.seq)
+
+
+class _TwinStream:
+    """One stream of the twin. The compute stream runs each op at once (the CPU is the device); a side
+    stream queues its copies and runs them only when something waits for them."""
+
+    def __init__(self, twin: "CudaTwin", side: bool):
+        self.twin, self.side = twin, side
+        self.ops: list[list] = []  # [seq, dst, source (a weakref, or the lent snapshot), stale]
+        self.issued = 0
+        self.waited = 0  # the compute stream's epoch this stream last waited for
+
+    def enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.twin.lock:
+            self.issued += 1
+            stale = self.waited < self.twin.compute.epoch  # issued without waiting for the compute stream
+            _poison(dst)
+            self.ops.append([self.issued, dst, weakref.ref(src), stale])
+            self.twin.count("copies")
+
+    def land(self, upto: int | None = None) -> None:
+        """Run the queued copies up to ``upto`` (all when None), in order; a copy whose source was freed
+        meanwhile (not lent by record_stream) or that never waited for its producer leaves poison."""
+        with self.twin.lock, torch.no_grad():
+            upto = self.issued if upto is None else upto
+            while self.ops and self.ops[0][0] <= upto:
+                _, dst, ref, stale = self.ops.pop(0)
+                src = ref()
+                if stale or src is None:
+                    self.twin.count("poisoned")
+                else:
+                    dst.copy_(src)
+
+    def keep(self, t: torch.Tensor) -> None:
+        """record_stream(t, this stream): t's memory stays untouched until the queued copies that read it
+        have run. On CUDA the allocator holds it until then (moments later); the twin, which runs them
+        only when waited for, keeps a private copy instead (not device memory, so the tracker's figures
+        stay those of CUDA) and lets t go."""
+        with self.twin.lock:
+            for op in self.ops:
+                if op[2]() is t:
+                    op[2] = _snapshot(t)
+
+    def wait_stream(self, other: "_TwinStream") -> None:
+        if self.side:
+            self.waited = self.twin.compute.epoch
+        else:
+            other.land()
+
+    def wait_event(self, event: _TwinEvent) -> None:
+        self.twin.count("stream_waits")
+        if event.stream is None:
+            return  # never recorded: nothing to wait for (as on CUDA)
+        if self.side and not event.stream.side:
+            self.waited = self.twin.compute.epoch
+        elif not self.side:
+            event.stream.land(event.seq)
+
+    def synchronize(self) -> None:
+        self.twin.count("syncs")
+        self.land()
+
+
+class CudaTwin:
+    """A CPU twin of CUDA's ordering rules, the runtime under a simulated :class:`DevicePair`.
+
+    A copy issued on a side stream lands only when the compute stream waits on an event recorded after
+    it (``wait_event``), the host waits on that event, or the stream is synchronized; until then its
+    destination holds poison (NaN). A copy whose source was freed before it landed, without
+    ``record_stream`` on the side stream, lands poison too, as does one issued on a side stream that did
+    not wait for the compute stream since the compute stream last ran (its source may not exist yet).
+    Pinned host blocks are rounded up to a power of two and counted (``stats()``).
+
+    >>> twin = CudaTwin(); side = twin.Stream()
+    >>> src, dst = torch.ones(3), torch.zeros(3)
+    >>> side.wait_stream(twin.current_stream())
+    >>> with twin.stream(side):
+    ...     twin.copy_(dst, src)
+    >>> ev = twin.Event(); ev.record(side)
+    >>> dst.isnan().all().item()                # read before anyone waited: poison
+    True
+    >>> twin.current_stream().wait_event(ev); dst.tolist()
+    [1.0, 1.0, 1.0]
+    """
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.compute = _TwinStream(self, side=False)
+        self.compute.epoch = 1  # advances each time the compute stream takes over again
+        self._local = threading.local()
+        self.counts: dict[str, int] = {}
+        self._pinned = self._pinned_peak = self._payload = self._payload_peak = 0
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[what] = self.counts.get(what, 0) + n
+
+    def Stream(self) -> _TwinStream:  # noqa: N802
+        return _TwinStream(self, side=True)
+
+    def Event(self) -> _TwinEvent:  # noqa: N802
+        return _TwinEvent(self)
+
+    def current_stream(self) -> _TwinStream:
+        return getattr(self._local, "stream", None) or self.compute
+
+    @contextlib.contextmanager
+    def stream(self, s: _TwinStream) -> Iterator[None]:
+        prev, self._local.stream = self.current_stream(), s
+        try:
+            yield
+        finally:
+            self._local.stream = prev
+            if s.side:
+                self.compute.epoch += 1  # the compute stream runs on: what it makes next is new to the side
+
+    def record_stream(self, t: torch.Tensor, s: _TwinStream) -> None:
+        if s.side:
+            s.keep(t)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        s = self.current_stream()
+        if s.side:
+            s.enqueue(dst, src)
+        else:
+            with torch.no_grad():
+                dst.copy_(src)
+
+    def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        n = t.numel() * t.element_size()
+        self._count_pinned(pinned_bytes(n), n)
+        weakref.finalize(t.untyped_storage(), self._count_pinned, -pinned_bytes(n), -n)
+        return t
+
+    def _count_pinned(self, rounded: int, payload: int) -> None:
+        with self.lock:
+            self._pinned += rounded
+            self._payload += payload
+            self._pinned_peak = max(self._pinned_peak, self._pinned)
+            self._payload_peak = max(self._payload_peak, self._payload)
+
+    def empty_host_cache(self) -> None:
+        self.count("host_cache_emptied")
+
+    def stats(self) -> dict[str, int]:
+        """Pinned blocks (rounded, as CUDA's host allocator takes them; payload = the bytes asked for),
+        now and at the peak, and the calls seen."""
+        with self.lock:
+            return {"pinned_bytes": self._pinned, "pinned_peak_bytes": self._pinned_peak,
+                    "payload_bytes": self._payload, "payload_peak_bytes": self._payload_peak, **self.counts}
+
+
+# ----- the device pair: the only lines that differ between CUDA and the CPU twin -----------------
 class DevicePair:
     """The two sides offload moves tensors between: ``compute`` (the GPU) and ``host`` (CPU RAM).
 
-    On CUDA: pinned host buffers, one side stream, events and non-blocking copies. On a CPU
-    (simulated offload) both sides are the CPU; host buffers are ordinary memory tagged as host
-    side, the side stream is the current thread, events are ``None``.
+    On CUDA: pinned host buffers, one side stream, events and non-blocking copies. On a CPU (simulated
+    offload) both sides are the CPU and the same statements run against :class:`CudaTwin`, which
+    models their ordering rules: a copy on the side stream lands only once it is waited for, so a
+    missing wait, event, ``record_stream`` or synchronize shows up as NaN in CI.
 
     >>> pair = DevicePair("cpu")
     >>> h = pair.to_host(torch.ones(3)); d = pair.to_compute(h)
     >>> pair, d.data_ptr() != h.data_ptr(), pinned_bytes(12), pair.host_nbytes([12])
-    (DevicePair(cpu <-> host (simulated)), True, 16, 12)
+    (DevicePair(cpu <-> host (simulated)), True, 16, 16)
     """
 
-    def __init__(self, compute: str | torch.device):
+    def __init__(self, compute: str | torch.device, runtime: Any = None):
         self.compute, self.host = torch.device(compute), torch.device("cpu")
         self.cuda = self.compute.type == "cuda"
         self.simulated = not self.cuda
-        self.stream = torch.cuda.Stream(self.compute) if self.cuda else None
+        self.rt = runtime if runtime is not None else CudaRuntime(self.compute) if self.cuda else CudaTwin()
+        self.stream = self.rt.Stream()
+        self.cache = PinnedCache(self)
 
     def __repr__(self) -> str:
         return f"DevicePair({self.compute} <-> host{' (simulated)' if self.simulated else ', pinned'})"
 
     def host_nbytes(self, sizes: Iterable[int]) -> int:
-        """Host RAM that host buffers of these sizes take (pinned blocks round up on CUDA)."""
-        return sum(pinned_bytes(n) if self.cuda else n for n in sizes)
+        """Host RAM that pinned host buffers of these sizes take (each rounded up to a power of two)."""
+        return sum(pinned_bytes(n) for n in sizes)
 
     def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host-side buffer (pinned on CUDA: asynchronous copies)."""
+        """An uninitialised pinned host buffer (asynchronous copies), tagged host side."""
         with host_side():
-            return mark_host(torch.empty(shape, dtype=dtype, device=self.host, pin_memory=self.cuda))
+            return mark_host(self.rt.host_empty(shape, dtype))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-side copy of ``t`` (complete on return)."""
-        return _host_copy(t, self.cuda)
+        """A pinned host copy of ``t``, complete on return (a blocking copy: for setup, not the step)."""
+        h = self.host_empty(t.shape, t.dtype)
+        h.copy_(t.detach())
+        return h
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
-        """A compute-side copy of ``t`` (asynchronous from pinned memory on CUDA)."""
-        return t.detach().to(self.compute, non_blocking=self.cuda, copy=True)
+        """A compute-side copy of ``t``, allocated and copied on the current stream (asynchronous from
+        pinned memory on CUDA)."""
+        d = torch.empty(t.shape, dtype=t.dtype, device=self.compute)
+        self.copy_(d, t.detach())
+        return d
+
+    def to_host_async(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host copies of ``tensors`` issued on the side stream; they hold their data once the
+        pair is synchronized (or an event after them is waited for)."""
+        tensors = list(tensors)
+        hosts = [self.host_empty(t.shape, t.dtype) for t in tensors]
+        with self.side():
+            for h, t in zip(hosts, tensors):
+                self.copy_(h, t)
+        for t in tensors:
+            self.lend(t)
+        return hosts
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=self.cuda)
+        """``dst.copy_(src)`` on the current stream, non-blocking."""
+        self.rt.copy_(dst, src)
 
+    # the ordering statements: each one deleted alone makes a test fail (tests/test_cuda_twin.py)
     @contextlib.contextmanager
     def side(self) -> Iterator[None]:
-        """Run the block on the side stream after the work queued so far (inline on a CPU)."""
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.compute))
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        """Run the block on the side stream, after the work queued on the compute stream so far."""
+        self.stream.wait_stream(self.rt.current_stream())
+        with self.rt.stream(self.stream):
             yield
 
     def done(self) -> Any:
-        """An event marking the side stream's work so far (None on a CPU: already done)."""
-        ev = torch.cuda.Event() if self.stream is not None else None
-        if ev is not None:
-            ev.record(self.stream)
+        """An event marking the side stream's work so far."""
+        ev = self.rt.Event()
+        ev.record(self.stream)
         return ev
 
-    def use(self, event: Any, tensors: Iterable[torch.Tensor]) -> None:
-        """The compute stream waits for ``event`` and owns ``tensors`` (made on the side stream)."""
-        if event is not None:
-            cur = torch.cuda.current_stream(self.compute)
-            cur.wait_event(event)
-            for t in tensors:
-                t.record_stream(cur)
+    def use(self, event: Any) -> None:
+        """The current (compute) stream waits for ``event`` before it reads what the side stream made."""
+        self.rt.current_stream().wait_event(event)
 
     def lend(self, t: torch.Tensor) -> None:
-        """``t`` (compute side) is read by the side stream: not reused before that work is done."""
-        if self.stream is not None:
-            t.record_stream(self.stream)
+        """``t`` is read by the side stream: its memory is not reused before that work is done."""
+        self.rt.record_stream(t, self.stream)
 
     def sync(self) -> None:
-        """Wait for every copy queued on the side stream."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        """The host waits for every copy queued on the side stream."""
+        self.stream.synchronize()
+
+    def wait_host(self, event: Any) -> None:
+        """The host (this thread) waits for ``event``: what was copied to host buffers before it is there."""
+        event.synchronize()
+
+    def release_host_cache(self) -> None:
+        """Give cached pinned blocks that nothing holds back to the OS."""
+        self.rt.empty_host_cache()
+
+    def stats(self) -> dict[str, int]:
+        """Pinned host memory (rounded blocks, now and peak); in the twin also the copies, waits and
+        synchronizations it saw and the copies that landed poison."""
+        return self.rt.stats()
 
     def rng_state(self) -> tuple:
         """The RNG states a recompute must replay (CPU, and the GPU's on CUDA)."""
@@ -183,6 +519,71 @@ class DevicePair:
             if state[1] is not None:
                 torch.cuda.set_rng_state(state[1], self.compute)
             yield
+
+
+_PAIRS: "weakref.WeakKeyDictionary[nn.Module, DevicePair]" = weakref.WeakKeyDictionary()
+
+
+def pair_of(model: nn.Module, device: str | torch.device) -> DevicePair:
+    """The one DevicePair of a model's offload (its side stream, twin and pinned cache are shared by
+    every offload kind of the plan, so one synchronize covers them all)."""
+    pair = _PAIRS.get(model)
+    if pair is None or pair.compute != torch.device(device):
+        pair = _PAIRS[model] = DevicePair(device)
+    return pair
+
+
+class PinnedCache:
+    """Pinned host blocks for saved activations, reused from step to step. Blocks come in powers of
+    two (as CUDA's host allocator hands them out); each new block passes the host-RAM guard; at each
+    forward's start the cache drops the blocks the previous step did not need, so it shrinks after a
+    large batch instead of holding its peak for the rest of the run.
+
+    >>> c = PinnedCache(DevicePair("cpu")); b = c.take(1000); c.give(b); c.held, c.trim(), c.held
+    (1024, 0, 1024)
+    >>> c.trim(), c.held  # the last cycle needed nothing: freed
+    (1024, 0)
+    """
+
+    def __init__(self, pair: DevicePair):
+        self.pair = pair
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.held = self.in_use = self.cycle_peak = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 pinned block of at least ``nbytes``."""
+        size = pinned_bytes(nbytes)
+        with self.lock:
+            blocks = self.free.get(size)
+            buf = blocks.pop() if blocks else None
+            self.in_use += size
+            self.cycle_peak = max(self.cycle_peak, self.in_use)
+        if buf is None:
+            host_ram_guard(size, "saved activations (offload:activations)")
+            buf = self.pair.host_empty((size,), torch.uint8)
+            with self.lock:
+                self.held += size
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.free.setdefault(buf.numel(), []).append(buf)
+            self.in_use -= buf.numel()
+
+    def trim(self) -> int:
+        """Free cached blocks beyond what the cycle since the last trim used at its peak; returns the bytes freed."""
+        freed = 0
+        with self.lock:
+            for size in sorted(self.free, reverse=True):
+                while self.free[size] and self.held - freed > self.cycle_peak:
+                    self.free[size].pop()
+                    freed += size
+            self.held -= freed
+            self.cycle_peak = self.in_use
+        if freed:
+            self.pair.release_host_cache()
+        return freed
 
 
 # ----- offload:optimizer -------------------------------------------------------------------------
@@ -305,26 +706,9 @@ class HostOptimizer(WrappedOptimizer):
         return n
 
 
-def optimizer_host_bytes(params: Iterable[torch.Tensor], state_per_param: float, pair_cuda: bool) -> int:
-    """Host RAM ``offload:optimizer`` takes for ``params``: a master copy and a gradient buffer per
-    parameter (pinned on CUDA, so each rounded up by :func:`pinned_bytes`) plus the optimizer state.
-
-    >>> optimizer_host_bytes([torch.empty(3, device="meta")], 8, pair_cuda=True)
-    56
-    """
-    n, blocks = 0, []
-    for p in params:
-        blocks += [p.numel() * p.element_size()] * 2
-        n += int(p.numel() * state_per_param)
-    return n + sum(pinned_bytes(b) if pair_cuda else b for b in blocks)
-
-
 def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> HostOptimizer:
-    groups = optimizer.param_groups
-    pair = DevicePair(ctx.device)
-    own = [p for g in groups for p in g["params"] if not getattr(p, "_colabkit_host", False)]
-    host_ram_guard(optimizer_host_bytes(own, state_bytes_per_param(plan.optimizer_token), pair.cuda),
-                   "optimizer state + fp32 master weights")
+    groups = optimizer.param_groups  # host RAM was guarded for the whole plan in _prepare
+    pair = pair_of(model, ctx.device)
     cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
                       weight_decay=ctx.weight_decay)
     make = lambda hg: REGISTRY[plan.optimizer].make_optimizer(hg, plan, cpu_ctx)  # noqa: E731
@@ -335,7 +719,8 @@ def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Contex
 class HostStateOptimizer(WrappedOptimizer):
     """``offload:params`` without ``offload:optimizer``: the plain optimizer updates the host-side
     block parameters in place, so their state lives on the host too (CPU tensors on a GPU run);
-    this tags it host side for the tracker after each step."""
+    this tags it host side for the tracker after each step. (Their gradients are complete when
+    backward returns: the streamer synchronizes its copies at the end of backward.)"""
 
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
@@ -354,22 +739,60 @@ class HostStateOptimizer(WrappedOptimizer):
 
 
 # ----- offload:activations -----------------------------------------------------------------------
-def activation_offload(pair: DevicePair | None = None) -> contextlib.AbstractContextManager:
-    """Saved-for-backward tensors go to the host side (pinned on CUDA: asynchronous copies back)
-    and return to the compute side for backward — ``save_on_cpu``'s pack/unpack, through the pair.
+class _Saved:
+    """A tensor saved for backward, on its way to or in a pinned host block; the block goes back to
+    the pair's cache when autograd lets go of this (after its backward ran)."""
+
+    __slots__ = ("cache", "block", "host", "device", "event")
+
+    def __init__(self, cache: PinnedCache, block: torch.Tensor, host: torch.Tensor, device: torch.device, event: Any):
+        self.cache, self.block, self.host, self.device, self.event = cache, block, host, device, event
+
+    def __del__(self):
+        self.cache.give(self.block)
+
+
+def _offloadable(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
+
+
+@contextlib.contextmanager
+def activation_offload(pair: DevicePair | None = None) -> Iterator[None]:
+    """Saved-for-backward tensors go to pinned host blocks and come back for backward — the
+    pack/unpack of ``torch.autograd.graph.save_on_cpu``, but asynchronous: each copy to the host is
+    issued on the side stream (overlapping the rest of forward) and the copy back waits only for its
+    own event. Blocks are reused from the pair's :class:`PinnedCache` (guarded, trimmed at each entry).
 
     >>> with activation_offload(): pass
     """
     pair = pair or DevicePair("cpu")
+    cache = pair.cache
+    if torch.is_grad_enabled():  # a training forward: what the last one did not need goes (not in evaluation)
+        cache.trim()
 
-    def pack(t: torch.Tensor) -> tuple:
-        return t.device, pair.to_host(t)
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (or its W.t()) saved
+            return t                                                          # by its op: it stays where it is
+        if not _offloadable(t):  # subclasses, sparse, empty: a plain blocking copy
+            return t.device, pair.to_host(t)
+        nbytes = t.numel() * t.element_size()
+        block = cache.take(nbytes)
+        host = block[:nbytes].view(t.dtype).view(t.shape)
+        with pair.side():
+            pair.copy_(host, t)
+        pair.lend(t)  # autograd drops t now: its memory must outlive the copy
+        return _Saved(cache, block, host, t.device, pair.done())
 
-    def unpack(packed: tuple) -> torch.Tensor:
-        device, h = packed
-        return h.to(device, non_blocking=pair.cuda, copy=True)
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if isinstance(saved, tuple):
+            return saved[1].to(saved[0], copy=True)
+        pair.use(saved.event)  # the copy to the host has landed before the copy back reads it
+        return pair.to_compute(saved.host).to(saved.device)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 # ----- offload:params (layer streaming) ----------------------------------------------------------
@@ -382,12 +805,17 @@ class BlockStreamer:
         self._pending: dict[int, tuple[dict[str, torch.Tensor], Any]] = {}
         self.copies = 0
 
+        self._sync_queued = False
+
     def _start(self, i: int) -> None:
         if i in self._pending or not 0 <= i < len(self.blocks):
             return
         named = dict(self.blocks[i].named_parameters()) | dict(self.blocks[i].named_buffers())
+        # allocated on the compute stream, which reads them (no record_stream needed); filled on the side
+        dev = {n: torch.empty(t.shape, dtype=t.dtype, device=self.pair.compute) for n, t in named.items()}
         with self.pair.side():
-            dev = {n: self.pair.to_compute(t) for n, t in named.items()}
+            for n, t in named.items():
+                self.pair.copy_(dev[n], t)
         self.copies += 1
         self._pending[i] = (dev, self.pair.done())
 
@@ -395,10 +823,30 @@ class BlockStreamer:
         """Block i's tensors on the compute side; starts copying block ``next_i`` when prefetching."""
         self._start(i)
         dev, ev = self._pending.pop(i)
-        self.pair.use(ev, dev.values())
+        self.pair.use(ev)
         if self.prefetch:
             self._start(next_i)
         return dev
+
+    def grads_to_host(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Block gradients go to pinned host buffers on the side stream (overlapping the rest of
+        backward); a second gradient before the step (``accum:K``) is added on the host. The copies are
+        waited for once, when backward ends, so ``p.grad`` is complete when ``backward()`` returns."""
+        fresh = [p.grad is None for p in params]
+        hosts = iter(self.pair.to_host_async(g for g, f in zip(grads, fresh) if f))
+        for p, g, f in zip(params, grads, fresh):
+            if f:
+                p.grad = next(hosts)
+            else:
+                self.pair.sync()
+                p.grad.add_(self.pair.to_host(g))
+        if not self._sync_queued:
+            self._sync_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._sync_queued = False
+        self.pair.sync()
 
 
 class _Call:
@@ -459,11 +907,8 @@ class _StreamedBlockFn(torch.autograd.Function):
         gx = iter(grads)
         result = [next(gx) if need else None for need in needs]
         params = dict(call.block.named_parameters())
-        for n, g in zip(names, gx):
-            if g is not None:
-                p = params[n]
-                g = call.streamer.pair.to_host(g)  # the gradient goes straight to the host side
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        got = [(params[n], g) for n, g in zip(names, gx) if g is not None]
+        call.streamer.grads_to_host([p for p, _ in got], [g for _, g in got])  # straight to the host side
         return (None, *result)
 
 
@@ -488,20 +933,23 @@ class _Streamed(nn.Module):
         return tree_unflatten([next(outs) if r is None else r for r in rest], call.out_spec)
 
 
-def stream_blocks(model: nn.Module, device: str | torch.device, prefetch: bool = True) -> nn.Module:
+def stream_blocks(model: nn.Module, device: str | torch.device, prefetch: bool = True,
+                  guard: bool = True) -> nn.Module:
     """Keep the transformer blocks' parameters on the host side (pinned on CUDA) and move everything
     else to ``device``; each block's weights visit the device only while it runs (forward, then
     recomputed in backward). Block gradients land on the host parameters. Returns the model.
+    ``guard``: first check host RAM for the blocks' weights, gradients and AdamW state
+    (:func:`guard_plan`; the plan path guards the whole plan itself and passes False).
 
     >>> from colabkit.models import build_model
     >>> m = stream_blocks(build_model("gpt:2x32"), "cpu")
     >>> m.blocks[0].streamer.prefetch, m._colabkit_placed
     (True, True)
     """
-    pair = DevicePair(device)
+    if guard:
+        guard_plan(model, ["params"], "adamw")
+    pair = pair_of(model, device)
     blocks = blocks_of(model)
-    host_ram_guard(pair.host_nbytes(t.numel() * t.element_size() for t in list(blocks.parameters()) + list(blocks.buffers())),
-                   "block parameters")
     streamer = BlockStreamer(nn.ModuleList(list(blocks)), pair, prefetch)
     for i, b in enumerate(list(blocks)):
         for t in list(b.parameters()) + list(b.buffers()):
@@ -544,7 +992,8 @@ def offloaded(optimizer: Any, model: nn.Module | None = None, strategy: str = "p
     """During a phase with no backward (evaluation, generation), take optimizer state and gradients
     off the device; put them back, bit-exact for cpu/pinned, when the block ends.
 
-    Strategies: ``cpu`` / ``pinned`` (copy to host RAM, guarded by :func:`host_ram_guard`), ``int8``
+    Strategies: ``cpu`` / ``pinned`` (copy to host RAM, pageable or pinned through a
+    :class:`DevicePair`, guarded by :func:`host_ram_guard` with pinned blocks rounded up), ``int8``
     (blockwise 8-bit in place: 1/4 of fp32, lossy), ``drop`` (free it; moments restart at zero
     after the block — changes training, use only when nothing else fits). Yields a dict with
     ``moved_bytes``.
@@ -569,19 +1018,29 @@ def offloaded(optimizer: Any, model: nn.Module | None = None, strategy: str = "p
     grads = [p for p in (model.parameters() if model is not None else ()) if p.grad is not None and worth(p.grad)]
     moved = sum(state[p][k].numel() * state[p][k].element_size() for p, k in keys)
     moved += sum(p.grad.numel() * p.grad.element_size() for p in grads)
-    if strategy in ("cpu", "pinned"):
+    sizes = [state[p][k].numel() * state[p][k].element_size() for p, k in keys] + [
+        p.grad.numel() * p.grad.element_size() for p in grads]
+    if strategy == "cpu":
         host_ram_guard(moved, "optimizer state for evaluation")
+    elif strategy == "pinned":
+        host_ram_guard(0, "optimizer state for evaluation (pinned)", pinned=sizes)
+    pairs: dict[torch.device, DevicePair] = {}
 
     def stash(v: torch.Tensor) -> tuple:
         if strategy == "int8":
             return _q8(v), v.device
         if strategy == "drop":
             return None, v.device
-        return _host_copy(v, strategy == "pinned" and v.is_cuda), v.device
+        if strategy == "pinned":
+            pair = pairs.setdefault(v.device, DevicePair(v.device))
+            return pair.to_host(v), v.device
+        return _host_copy(v), v.device
 
     def unstash(stored: tuple) -> torch.Tensor:
         data, dev = stored
-        return _dq8(data).to(dev) if strategy == "int8" else data.to(dev, non_blocking=strategy == "pinned")
+        if strategy == "int8":
+            return _dq8(data).to(dev)
+        return pairs[dev].to_compute(data) if strategy == "pinned" else data.to(dev)
 
     saved = {(id(p), k): stash(state[p][k]) for p, k in keys}
     for p, k in keys:
@@ -642,13 +1101,19 @@ def _check(plan: Plan, ctx: Context) -> None:
 
 
 def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
-    if "params" in plan.get("offload", ()) and "zero" not in plan:  # zero:3: FSDP2's CPUOffloadPolicy does it
-        return stream_blocks(model, ctx.device, prefetch=PREFETCH)
+    kinds = set(plan.get("offload", ())) - {"activations"}  # activations: guarded as the pinned cache grows
+    if kinds and "zero" not in plan:  # zero:3: FSDP2's CPUOffloadPolicy does it
+        # the one guard, before anything moves: weights, gradients and optimizer state, pinned rounding
+        guard_plan(model, kinds, plan.optimizer_token)
+        if "params" in kinds:
+            return stream_blocks(model, ctx.device, prefetch=PREFETCH, guard=False)
     return model
 
 
 def _forward_context(plan: Plan, ctx: Context):
-    return activation_offload(DevicePair(ctx.device)) if "activations" in plan.get("offload", ()) else contextlib.nullcontext()
+    if "activations" not in plan.get("offload", ()):
+        return contextlib.nullcontext()
+    return activation_offload(pair_of(ctx.model, ctx.device) if ctx.model is not None else DevicePair(ctx.device))
 
 
 def _wrap(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> Any:

@@ -1,0 +1,341 @@
+"""The GPU paths proven without a GPU (issue 24).
+
+* The CPU twin of CUDA's ordering rules (``CudaTwin`` under a simulated ``DevicePair``): each rule
+  against a hand-written case.
+* The mutation test: every CUDA-only ordering statement of offload (the wait, the event record, the
+  record_stream, the synchronizes, and each call site that relies on them), deleted alone, makes at
+  least one offload equivalence check fail; with none deleted every check passes.
+* The tracker's per-phase CUDA peak (a fake allocator in torch.cuda's place): each phase's own peak,
+  not the maximum since the last reset.
+"""
+from __future__ import annotations
+
+import __future__
+import copy
+import functools
+import inspect
+import textwrap
+import time
+import weakref
+
+import pytest
+import torch
+
+from colabkit.data import TextData
+from colabkit.memory import MemoryTracker
+from colabkit.models import build_model
+from colabkit.techniques import disk_offload as disk
+from colabkit.techniques import offload as off
+from colabkit.trainer import Trainer
+
+
+# ----- the twin's rules ------------------------------------------------------------------------
+def _side_copy(pair, dst, src):
+    with pair.side():
+        pair.copy_(dst, src)
+
+
+def test_side_copy_lands_only_when_waited_for():
+    pair = off.DevicePair("cpu")
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    _side_copy(pair, dst, src)
+    ev = pair.done()
+    assert dst.isnan().all()                       # read before anyone waited: poison
+    pair.use(ev)                                   # the compute stream waits for the event
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0]
+    src1 = src + 1
+    for wait in (lambda ev: pair.sync(), lambda ev: pair.wait_host(ev)):   # or the host waits
+        _side_copy(pair, dst, src1)
+        ev = pair.done()
+        assert dst.isnan().all()
+        wait(ev)
+        assert dst.tolist() == [1.0, 2.0, 3.0, 4.0]
+    _side_copy(pair, dst, src)                     # an event recorded before the copy does not cover it
+    early = pair.rt.Event()
+    early.record(pair.rt.Stream())
+    pair.use(early)
+    pair.use(pair.rt.Event())                      # nor does one never recorded (CUDA: a no-op wait)
+    assert dst.isnan().all()
+    pair.sync()
+    assert torch.equal(dst, src)
+
+
+def test_freed_source_needs_record_stream():
+    pair = off.DevicePair("cpu")
+    dst = torch.zeros(4)
+    src = torch.ones(4)
+    _side_copy(pair, dst, src)
+    del src                                        # freed before the copy ran, nothing recorded it
+    pair.sync()
+    assert dst.isnan().all() and pair.stats()["poisoned"] == 1
+    src = torch.ones(4)
+    alive = weakref.ref(src)
+    _side_copy(pair, dst, src)
+    pair.lend(src)                                 # record_stream: the copy reads what src held
+    del src
+    assert alive() is None                         # the twin does not keep it (CUDA frees it moments later)
+    src2 = torch.full((4,), 7.0)                   # the allocator may hand its memory out again
+    pair.sync()
+    assert dst.tolist() == [1.0] * 4 and src2[0] == 7.0
+
+
+def test_reused_source_and_missing_wait_stream_are_poison():
+    pair = off.DevicePair("cpu")
+    src, dst = torch.ones(4), torch.zeros(4)
+    _side_copy(pair, dst, src)
+    src.fill_(5.0)                                 # reused before the copy ran: the copy sees the new bytes
+    pair.sync()
+    assert dst.tolist() == [5.0] * 4
+    with pair.rt.stream(pair.stream):              # a side copy that did not wait for the compute stream
+        pair.copy_(dst, src)
+    pair.sync()
+    assert dst.isnan().all()
+
+
+def test_pinned_blocks_are_rounded_and_counted():
+    pair = off.DevicePair("cpu")
+    h = pair.host_empty((250,), torch.float32)     # 1000 B asked, a 1024 B block taken
+    s = pair.stats()
+    assert (s["pinned_bytes"], s["payload_bytes"]) == (1024, 1000)
+    del h
+    assert pair.stats()["pinned_bytes"] == 0 and pair.stats()["pinned_peak_bytes"] == 1024
+
+
+# ----- the offload equivalence checks the mutation test runs ----------------------------------------
+def _weights(t):
+    return [p.detach().clone() for p in t.model.parameters()]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(plan, tie=False):  # plans without offload: the mutants do not touch them, run once
+    return _trained(plan, tie=tie)
+
+
+def _trained(plan, steps=2, model="gpt:2x32", tie=False):
+    torch.manual_seed(0)
+    m = build_model(model, seq=16)
+    if tie:
+        m.blocks[1] = m.blocks[0]
+    t = Trainer(m, plan, device="cpu", offload_sim="offload" in plan)
+    losses = [t.step(*TextData().batch(4, 16, step=i)) for i in range(steps)]
+    return losses, _weights(t)
+
+
+def _same(a, b, tol=1e-5):
+    (la, wa), (lb, wb) = a, b
+    return la == pytest.approx(lb, rel=1e-6) and all(torch.allclose(x, y, rtol=0, atol=tol) for x, y in zip(wa, wb))
+
+
+def check_host_optimizer():
+    return _same(_trained("offload:optimizer"), _reference("baseline"))
+
+
+def check_host_optimizer_accumulation():
+    return _same(_trained("offload:optimizer+accum:2"), _reference("accum:2"))
+
+
+def check_host_optimizer_grad_scaler():
+    # the GradScaler unscales and inf-checks the host gradient buffers (HostOptimizer.param_groups)
+    torch.manual_seed(0)
+    a = build_model("gpt:2x32", seq=16)
+    b = copy.deepcopy(a)
+    opts = (torch.optim.AdamW(a.parameters(), lr=1e-3),
+            off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3)))
+    for m, opt in zip((a, b), opts):
+        sc = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for i in range(2):
+            x, y = TextData().batch(4, 16, step=i)
+            sc.scale(torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+    return all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def check_streamed_params():
+    return _same(_trained("offload:params"), _reference("baseline"))
+
+
+def check_streamed_tied_blocks():
+    # one block called twice per forward: its gradient reaches the host twice within one backward
+    return _same(_trained("offload:params", tie=True), _reference("baseline", tie=True))
+
+
+def check_activations():
+    return _same(_trained("offload:activations"), _reference("baseline"))
+
+
+def check_disk_staged(tmp="."):
+    # DiskAdamW's GPU path (pinned buffers, copies on the side stream, write-back after the event)
+    import tempfile
+
+    def run(make):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 7))
+        opt = make(m.parameters())
+        for i in range(3):
+            m(torch.randn(8, 32, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in m.parameters()]
+
+    with tempfile.TemporaryDirectory() as d:
+        ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+        got = run(lambda ps: disk.DiskAdamW(ps, lr=1e-2, directory=d, chunk_elems=500, pair=off.DevicePair("cpu")))
+    return all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+CHECKS = [check_host_optimizer, check_host_optimizer_accumulation, check_host_optimizer_grad_scaler,
+          check_streamed_params, check_streamed_tied_blocks, check_activations, check_disk_staged]
+
+# Every ordering statement, deleted alone: (module, function, the statement). The first six are the
+# CUDA calls themselves (DevicePair runs them against torch.cuda or the twin); the rest are the
+# places offload relies on them.
+MUTANTS = [
+    (off, "DevicePair.side", "self.stream.wait_stream(self.rt.current_stream())"),   # side waits for compute
+    (off, "DevicePair.done", "ev.record(self.stream)"),                               # the event record
+    (off, "DevicePair.use", "self.rt.current_stream().wait_event(event)"),            # compute waits for the event
+    (off, "DevicePair.lend", "self.rt.record_stream(t, self.stream)"),               # record_stream
+    (off, "DevicePair.sync", "self.stream.synchronize()"),                            # stream synchronize
+    (off, "DevicePair.wait_host", "event.synchronize()"),                             # host waits for an event
+    (off, "DevicePair.to_host_async", "self.lend(t)"),                   # streamed gradients: record_stream
+    (off, "HostOptimizer._grad_to_host", "self.pair.lend(p.grad)"),      # gradient copy: record_stream
+    (off, "HostOptimizer._grad_to_host", "self.pair.sync()"),            # accumulation: wait before the add
+    (off, "HostOptimizer.step", "self.pair.sync()"),                     # the step waits for the copies
+    (off, "HostOptimizer.param_groups", "self.pair.sync()"),             # the GradScaler reads landed grads
+    (off, "BlockStreamer.get", "self.pair.use(ev)"),                     # prefetched weights: wait
+    (off, "BlockStreamer.grads_to_host", "self.pair.sync()"),            # a 2nd gradient in one backward
+    (off, "BlockStreamer._end_of_backward", "self.pair.sync()"),         # streamed grads done with backward
+    (off, "activation_offload", "pair.lend(t)"),                         # saved activation: record_stream
+    (off, "activation_offload", "pair.use(saved.event)"),                # copy back waits for the copy out
+    (disk, "DiskAdamW.step", "self.pair.lend(mv)"),                      # chunk on the GPU: record_stream
+    (disk, "DiskAdamW._write_back", "self.pair.wait_host(event)"),       # write back after the copy landed
+]
+
+
+def _function(module, qualname):
+    obj = module
+    for part in qualname.split("."):
+        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+    if isinstance(obj, property):
+        obj = obj.fget
+    return inspect.unwrap(obj)  # under @contextmanager
+
+
+def _without(fn, statement):
+    """fn's code with ``statement`` (a whole line, exactly once in fn) replaced by ``pass``."""
+    lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+    hits = [i for i, line in enumerate(lines) if line.split("#")[0].strip() == statement]
+    assert len(hits) == 1, (fn.__qualname__, statement, len(hits))
+    line = lines[hits[0]]
+    lines[hits[0]] = line[: len(line) - len(line.lstrip())] + "pass"
+    start = next(i for i, line in enumerate(lines) if line.startswith("def "))  # decorators dropped
+    code = compile("\n".join(lines[start:]), inspect.getsourcefile(fn), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    ns: dict = {}
+    exec(code, dict(fn.__globals__), ns)
+    return ns[fn.__name__].__code__
+
+
+def _failing_checks(first=False):
+    """The checks that fail (``first``: stop at the first one)."""
+    failed = []
+    for check in CHECKS:
+        try:
+            ok = check()
+        except Exception:  # a mutant may also crash a check: that is a failure too
+            ok = False
+        if not ok:
+            failed.append(check.__name__)
+            if first:
+                break
+    return failed
+
+
+def test_every_check_passes_on_the_real_code():
+    assert _failing_checks() == []
+
+
+def test_each_ordering_statement_deleted_alone_fails_a_check():
+    t0 = time.process_time()
+    survivors, caught = {}, {}
+    for module, qualname, statement in MUTANTS:
+        fn = _function(module, qualname)
+        original = fn.__code__
+        fn.__code__ = _without(fn, statement)
+        try:
+            failed = _failing_checks(first=True)
+        finally:
+            fn.__code__ = original
+        caught[f"{qualname}: {statement}"] = failed
+        if not failed:
+            survivors[f"{qualname}: {statement}"] = "no check failed"
+    for mutant, failed in caught.items():
+        print(f"{mutant:<75} -> {failed[0] if failed else 'SURVIVED'}")
+    assert survivors == {}
+    assert _failing_checks() == []  # restored
+    print(f"{len(MUTANTS)} mutants x {len(CHECKS)} checks in {time.process_time() - t0:.1f} s CPU")
+
+
+def test_mutants_name_every_cuda_call_in_devicepair():
+    # the list above names each statement of DevicePair that calls the runtime's ordering API
+    src = inspect.getsource(off.DevicePair)
+    calls = [line.strip() for line in src.splitlines() if any(k in line for k in (
+        ".wait_stream(", ".wait_event(", ".record(", ".record_stream(", ".synchronize()"))]
+    listed = {s for m, q, s in MUTANTS if q.startswith("DevicePair.")}
+    assert calls and set(calls) <= listed, set(calls) - listed
+
+
+# ----- the tracker's per-phase CUDA peak --------------------------------------------------------
+class FakeAllocator:
+    """torch.cuda's allocator counters, driven by hand: ``alloc``/``free`` move ``allocated``; the peak
+    counters only go up until ``reset_peak_memory_stats``."""
+
+    def __init__(self):
+        self.now = self.peak = self.reserved = self.peak_reserved = 0
+
+    def alloc(self, n):
+        self.now += n
+        self.reserved = max(self.reserved, self.now)
+        self.peak, self.peak_reserved = max(self.peak, self.now), max(self.peak_reserved, self.reserved)
+
+    def free(self, n):
+        self.now -= n
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.now)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: self.peak_reserved)
+        monkeypatch.setattr(cuda, "device_memory_used", lambda device=None: self.reserved)
+
+        def reset(device=None):
+            self.peak, self.peak_reserved = self.now, self.reserved
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
+
+
+def test_cuda_phase_peaks_are_per_phase(monkeypatch):
+    fake = FakeAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(1000)                                   # weights, before the tracker
+    with MemoryTracker(device="cuda", categories=False, alert_at=None, budget_bytes=1 << 40) as mt:
+        with mt.phase("step"):                         # an outer phase holds its inner phases' peaks
+            with mt.phase("forward"):
+                fake.alloc(500)                        # activations
+                fake.alloc(300), fake.free(300)        # a temporary
+            with mt.phase("backward"):
+                fake.free(500)
+                fake.alloc(200), fake.free(200)        # gradients made and freed (fused step)
+            with mt.phase("optimizer"):
+                fake.alloc(50), fake.free(50)
+    peaks = {s["phase"]: s["phase_peak_cuda"] for s in mt.timeline if s["phase"] in ("forward", "backward", "optimizer", "step")}
+    # each phase's own peak (what it carried in included); before the fix every phase after the first
+    # reported 1800, the maximum since the tracker started
+    assert peaks == {"forward": 1800, "backward": 1500, "optimizer": 1050, "step": 1800}
+    r = mt.report()
+    assert r["peak_bytes"] == 1800 and r["peak_reserved_bytes"] == 1800   # the window's peak survives the resets
+    fake.alloc(10)
+    mt.reset_peaks()                                    # the measured window restarts from what is live
+    assert mt.report()["peak_bytes"] == 1010
