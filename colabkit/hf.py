@@ -148,11 +148,13 @@ def _norm(v: Any) -> Any:
     return getattr(v, "value", v)  # OptimizerNames.ADAMW_TORCH -> "adamw_torch"
 
 
-def training_arguments(plan: Plan | str = "baseline", device: str | torch.device | None = None, **kwargs: Any):
+def training_arguments(plan: Plan | str = "baseline", device: str | torch.device | None = None, cls: type | None = None,
+                       **kwargs: Any):
     """``transformers.TrainingArguments(**kwargs)`` with the plan's loop-side tokens in their native form
     (the table in this module's docstring). Model-side tokens are left to :func:`prepare_model`; a
     keyword that contradicts a token, or a token with no faithful form, is a PlanError. ``device`` (default:
-    the GPU if there is one, the CPU with ``use_cpu=True``) decides e.g. the fused AdamW and bf16's check.
+    the GPU if there is one, the CPU with ``use_cpu=True``) decides e.g. the fused AdamW and bf16's check;
+    ``cls`` is the arguments class (default ``TrainingArguments``; e.g. TRL's ``SFTConfig``).
 
     >>> args = training_arguments("checkpoint+accum:4+adamw8bit", output_dir="out", report_to="none")
     >>> args.gradient_accumulation_steps, args.per_device_train_batch_size, str(args.optim.value)
@@ -161,14 +163,14 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     tf = _transformers()
     plan = Plan.parse(plan)
     dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
-    plan.check(Context(device=dev, env=env()))  # colabkit's own refusals (bf16 on a T4, paged on a CPU, ...)
-    mapped = loop_arguments(plan, dev)
+    mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
+    plan.check(Context(device=dev, env=env()))  # (bf16 on a T4, paged on a CPU, ...)
     for key, value in mapped.items():
         if key in kwargs and _norm(kwargs[key]) != value:
             raise PlanError(f"{key}={kwargs[key]!r} contradicts the plan {str(plan)!r}, which sets {key}={value!r}: "
                             "drop the keyword or change the plan")
     kwargs.setdefault("output_dir", "trainer_output")
-    args = tf.TrainingArguments(**{**mapped, **kwargs})
+    args = (cls or tf.TrainingArguments)(**{**mapped, **kwargs})
     args.colabkit_plan = str(plan)  # what MemoryCallback checks the run against
     if "sgd" in plan and plan.get("sgd"):  # older transformers build SGD without parsing optim_args
         _, opt_kwargs = tf.Trainer.get_optimizer_cls_and_kwargs(args)
@@ -209,8 +211,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     plan = Plan.parse(plan)
     dev = torch.device(device or default_device())
     ctx = Context(device=dev, env=env(), model=model, offload_sim=offload_sim)
-    plan.check(ctx)
     side = split_plan(plan, dev)[1]
+    plan.check(ctx)
     names = {t.partition(":")[0] for t in side}
     for t in plan.techniques():
         if t.prepare_model is not None and t.name in names and t.name != "offload":
