@@ -19,7 +19,6 @@ import hashlib
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from .batches import Batch, LossFn, count, head_of, make_batch, micro_loss
 from .env import default_device, env
