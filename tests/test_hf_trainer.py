@@ -282,3 +282,18 @@ def test_trl_sft_trainer_with_memory_callback(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
     assert cb.report()["breakdown"]["optimizer"] == _state_bytes(trainer.optimizer) > 0
+
+
+def test_the_readme_snippets_run(tmp_path, monkeypatch):
+    """The three ways in, as the README's "In your own notebook" shows them, run as they are."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme[readme.index("Three ways to bring your own model"):readme.index("`training_arguments` maps")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 4
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), scope)
+    assert math.isfinite(scope["loss"]) and scope["trainer"].state.global_step == 5
