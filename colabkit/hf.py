@@ -303,6 +303,8 @@ class MemoryCallback:
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self._switch(None)
+        if self.tracker is None:  # added after train() began: nothing to measure until the next train()
+            return
         if optimizer is not None and optimizer is not self._optimizer:  # built or re-wrapped after train begin
             self._optimizer = optimizer
             self.tracker.watch(optimizer=optimizer)
