@@ -45,7 +45,7 @@ from .techniques.offload import (CudaTwin, DevicePair, HostOptimizer, guard_plan
                                  pinned_bytes, stream_blocks)
 from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora, nf4_bytes, save_adapters
 from .instruct import InstructData, generate
-from .hf import load_hf_4bit
+from .hf import MemoryCallback, load_hf_4bit, prepare_model, training_arguments
 from .structured import HODLRMatrix, SemiseparableMatrix, SemiseparableMixing, structured_gpt, structured_report
 from .distributed import bench_sharded, consolidate, launch, train_sharded
 

@@ -1,86 +1,394 @@
-"""Hugging Face models without the hub: ``llama:LxD`` builds a Llama-shaped ``LlamaForCausalLM`` from
-a transformers config with random weights and a byte vocabulary (256), so CI and offline users run the
-same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model; and
-:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``).
+"""Hugging Face's Trainer with colabkit: measure it, and give it a plan.
 
->>> cfg = llama_config("llama:2x128")
->>> cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size
-(2, 512, 256)
+Three pieces for ``transformers.Trainer`` (and TRL's ``SFTTrainer``, a subclass of it):
+
+- :class:`MemoryCallback`: :class:`colabkit.MemoryTracker` during ``trainer.train()`` -- forward,
+  backward and optimizer phases, the categories (the optimizer the Trainer builds included), the live
+  plot in a notebook, ``memory/*`` scalars in every log (so TensorBoard, W&B or whatever ``report_to``
+  names receive them) and the tracker's table at the end.
+- :func:`training_arguments`: ``TrainingArguments`` with each loop-side plan token in its
+  transformers-native form.
+- :func:`prepare_model`: the model-side tokens applied to the model.
+
+The same plan goes to both functions; each token is applied by exactly one of them, and a token that
+neither can apply faithfully is refused by both, saying what to do instead. At the start of training
+``MemoryCallback`` checks that the model and the arguments carry the whole plan.
+
+============================  ===========  ==================================================================
+token                         applied by   transformers-native form
+============================  ===========  ==================================================================
+fp16, bf16                    arguments    ``fp16=True`` / ``bf16=True`` (autocast; fp16 with a GradScaler)
+checkpoint                    arguments    ``gradient_checkpointing=True`` (non-reentrant; 5.x:
+                                           ``activation_checkpointing``)
+accum:K                       arguments    ``gradient_accumulation_steps=K`` (per_device_train_batch_size is
+                                           then the micro-batch)
+adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adamw_bnb_8bit, paged_adamw_8bit,
+                                           lion_32bit, lion_8bit, adamw_torch_4bit (torchao's 4-bit AdamW,
+                                           blocks of 256), adafactor, sgd (+ ``optim_args="momentum=M"``)
+lora:R, qlora:R               model        colabkit's LoRA (peft adapters; qlora: bitsandbytes NF4 base)
+compress:int8, attention:X    model        their forward context around ``model.forward``
+checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
+fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
+galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
+params/disk, zero:N
+============================  ===========  ==================================================================
+
+>>> sorted(loop_arguments("fp16+accum:4+adamw8bit", "cpu").items())
+[('fp16', True), ('gradient_accumulation_steps', 4), ('optim', 'adamw_bnb_8bit')]
+>>> loop_arguments("fused-step")
+Traceback (most recent call last):
+...
+colabkit.plan.PlanError: 'fused-step': transformers' Trainer clips and steps after backward; fused-step steps each parameter inside backward. Use colabkit.Trainer(model, plan) for fused-step, or drop it for transformers' Trainer
 """
 from __future__ import annotations
 
-import re
+import contextlib
+import functools
+import sys
+import warnings
 from typing import Any
 
 import torch
 
-from .models import register_family
+from .batches import unwrap
+from .env import default_device, env
+from .hf_models import build_llama, dtype_kwarg, llama_config, llama_intermediate, load_hf_4bit, single_device_map  # noqa: F401
+from .logs import memory_metrics
+from .memory import MemoryTracker, format_report
+from .plan import Context, Plan, PlanError
+from .plots import LivePlot
+
+_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
+          "lion": "lion_32bit", "lion8bit": "lion_8bit", "adamw4bit": "adamw_torch_4bit", "adafactor": "adafactor",
+          "sgd": "sgd"}
+_MAKE_OPT = "pass colabkit's: Trainer(..., optimizers=(colabkit.make_optimizer(model, {tok!r}), None)) and drop {tok!r} from the plan"
+_REFUSED = {
+    "fused-step": "transformers' Trainer clips and steps after backward; fused-step steps each parameter inside "
+                  "backward. Use colabkit.Trainer(model, plan) for fused-step, or drop it for transformers' Trainer",
+    "adam-mini": "transformers has no Adam-mini optim: " + _MAKE_OPT,
+    "galore": "transformers' galore_adamw keeps each projector as a slice of the whole SVD factor (min(m, n)^2 "
+              "floats instead of rank x min(m, n): see colabkit/techniques/galore.py) and projects nn.Linear layers "
+              "only: " + _MAKE_OPT,
+    "offload:optimizer": "transformers' Trainer builds and steps its own optimizer on the device: use "
+                         "colabkit.Trainer(model, plan), or DeepSpeed ZeRO-Offload (TrainingArguments(deepspeed=...))",
+    "offload:disk": "transformers' Trainer builds and steps its own optimizer on the device: use colabkit.Trainer(model, plan)",
+    "offload:params": "transformers' Trainer moves the whole model to the device: use colabkit.Trainer(model, plan), or "
+                      "load the model with accelerate's device_map offload",
+    "zero": "transformers' Trainer shards through accelerate (TrainingArguments(fsdp=...), launched by accelerate "
+            "or torchrun); colabkit's zero:N runs with colabkit.train(..., world_size=N)",
+}
+_MODEL_SIDE = ("lora", "qlora", "compress", "attention")
 
 
 def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("llama:LxD and hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
+        raise ImportError("colabkit.hf needs transformers: pip install 'colabkit[hf]'") from e
     return transformers
 
 
-def llama_intermediate(d: int, multiple_of: int = 256) -> int:
-    """Llama's MLP width: 2/3 of 4·D (SwiGLU keeps the parameter count of a 4·D GELU MLP), rounded up
-    to a multiple of 256 as in Meta's reference code (D=4096 -> 11008). >>> llama_intermediate(4096)
-    11008"""
-    hidden = int(2 * 4 * d / 3)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+def _spelled(plan: Plan, name: str) -> str:
+    return next((t for t in plan.tokens if t == name or t.startswith(name + ":")), name)
 
 
-def llama_config(name: str, seq: int | None = None, dropout: float = 0.0, **overrides: Any):
-    """``llama:LxD`` -> a ``LlamaConfig``: L layers of width D, 64-wide heads (D//64, at least 1),
-    SwiGLU MLP, RMSNorm, RoPE, byte vocabulary 256 and tied input/output embeddings (like the small
-    Llama-3.2 / Qwen2.5 models people fine-tune on a T4). ``:vN`` sets the vocabulary."""
-    m = re.fullmatch(r"llama:(\d+)x(\d+)(?::v(\d+))?", name)
-    if not m:
-        raise ValueError(f"{name!r}: use llama:LxD, e.g. llama:4x256 (optionally :vN for a vocabulary of N)")
-    L, D = int(m[1]), int(m[2])
-    if L < 1 or D < 64 or D % 64:
-        raise ValueError(f"{name!r}: need at least 1 layer and a width that is a multiple of 64")
-    tf = _transformers()
-    kw = dict(vocab_size=int(m[3] or 256), hidden_size=D, intermediate_size=llama_intermediate(D),
-              num_hidden_layers=L, num_attention_heads=D // 64, num_key_value_heads=D // 64,
-              max_position_embeddings=max(1024, seq or 0), tie_word_embeddings=True,
-              attention_dropout=dropout, bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False)
-    kw.update(overrides)
-    return tf.LlamaConfig(**kw)
+def _checkpoint_field() -> str:
+    fields = getattr(_transformers().TrainingArguments, "__dataclass_fields__", {})
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
-def build_llama(name: str, seq: int | None = None, dropout: float = 0.0) -> torch.nn.Module:
-    """A randomly initialised ``LlamaForCausalLM`` for ``llama:LxD`` (SDPA attention).
+def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The plan's tokens by where they live with transformers' Trainer: ``({token: TrainingArguments
+    keywords}, [model-side tokens])``; a token with no faithful form there is a PlanError.
 
-    >>> m = build_llama("llama:1x64")
-    >>> m(torch.zeros(1, 8, dtype=torch.long)).logits.shape
-    torch.Size([1, 8, 256])
+    >>> split_plan("lora:8+accum:2+compress:int8")
+    ({'accum:2': {'gradient_accumulation_steps': 2}}, ['compress:int8', 'lora:8'])
+    """
+    plan, cuda = Plan.parse(plan), torch.device(device).type == "cuda"
+    loop: dict[str, dict[str, Any]] = {}
+    model: list[str] = []
+    for name, value in plan.values:
+        tok = _spelled(plan, name)
+        toks = [f"offload:{k}" for k in sorted(value)] if name == "offload" else [tok]
+        for t in toks:
+            reason = _REFUSED.get(t) or _REFUSED.get(name)
+            if reason:
+                raise PlanError(f"{t!r}: {reason.format(tok=t)}")
+        if name in _MODEL_SIDE or toks == ["offload:activations"] or (name == "checkpoint" and value > 1):
+            model.append(tok)
+        elif name == "checkpoint":
+            key = _checkpoint_field()  # transformers 5.x renamed gradient_ to activation_checkpointing
+            loop[tok] = {key: True, f"{key}_kwargs": {"use_reentrant": False}}
+        elif name in ("fp16", "bf16"):
+            loop[tok] = {name: True}
+        elif name == "accum":
+            loop[tok] = {"gradient_accumulation_steps": value}
+        elif name in _OPTIM:
+            loop[tok] = {"optim": "adamw_torch_fused" if name == "adamw" and cuda else _OPTIM[name]}
+            if name == "sgd" and value:
+                loop[tok]["optim_args"] = f"momentum={value}"
+        else:
+            raise PlanError(f"{tok!r} has no transformers Trainer form in colabkit yet: use colabkit.Trainer(model, plan)")
+    return loop, model
+
+
+def loop_arguments(plan: Plan | str, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The ``TrainingArguments`` keywords of a plan's loop-side tokens, colabkit's AdamW when it names
+    no optimizer (see :func:`training_arguments`)."""
+    plan = Plan.parse(plan)
+    out: dict[str, Any] = {}
+    for kw in split_plan(plan, device)[0].values():
+        out.update(kw)
+    if plan.optimizer == "adamw" and "optim" not in out:
+        out.update(split_plan("adamw", device)[0]["adamw"])
+    return out
+
+
+def _norm(v: Any) -> Any:
+    return getattr(v, "value", v)  # OptimizerNames.ADAMW_TORCH -> "adamw_torch"
+
+
+def training_arguments(plan: Plan | str = "baseline", device: str | torch.device | None = None, cls: type | None = None,
+                       **kwargs: Any):
+    """``transformers.TrainingArguments(**kwargs)`` with the plan's loop-side tokens in their native form
+    (the table in this module's docstring). Model-side tokens are left to :func:`prepare_model`; a
+    keyword that contradicts a token, or a token with no faithful form, is a PlanError. ``device`` (default:
+    the GPU if there is one, the CPU with ``use_cpu=True``) decides e.g. the fused AdamW and bf16's check;
+    ``cls`` is the arguments class (default ``TrainingArguments``; e.g. TRL's ``SFTConfig``).
+
+    >>> args = training_arguments("checkpoint+accum:4+adamw8bit", output_dir="out", report_to="none")
+    >>> args.gradient_accumulation_steps, args.per_device_train_batch_size, str(args.optim.value)
+    (4, 8, 'adamw_bnb_8bit')
     """
     tf = _transformers()
-    cfg = llama_config(name, seq=seq, dropout=dropout)
-    cfg._attn_implementation = "sdpa"
-    return tf.LlamaForCausalLM(cfg)
+    plan = Plan.parse(plan)
+    dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
+    mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
+    plan.check(Context(device=dev, env=env()))  # (bf16 on a T4, paged on a CPU, ...)
+    for key, value in mapped.items():
+        if key in kwargs and _norm(kwargs[key]) != value:
+            raise PlanError(f"{key}={kwargs[key]!r} contradicts the plan {str(plan)!r}, which sets {key}={value!r}: "
+                            "drop the keyword or change the plan")
+    kwargs.setdefault("output_dir", "trainer_output")
+    args = (cls or tf.TrainingArguments)(**{**mapped, **kwargs})
+    args.colabkit_plan = str(plan)  # what MemoryCallback checks the run against
+    if "sgd" in plan and plan.get("sgd"):  # older transformers build SGD without parsing optim_args
+        _, opt_kwargs = tf.Trainer.get_optimizer_cls_and_kwargs(args)
+        if float(opt_kwargs.get("momentum", 0.0)) != plan.get("sgd"):
+            raise PlanError(f"{_spelled(plan, 'sgd')!r}: this transformers ({tf.__version__}) ignores SGD's momentum "
+                            "in optim_args: upgrade transformers, or " + _MAKE_OPT.format(tok=_spelled(plan, "sgd")))
+    return args
 
 
-register_family("llama:", build_llama)
+def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Context) -> None:
+    """Run ``model.forward`` inside the techniques' forward contexts (saved-tensor hooks, SDPA backend): what
+    is saved for backward in the forward -- the loss included, which transformers computes inside -- is
+    packed; backward unpacks it wherever it runs."""
+    inner = model.forward
+
+    @functools.wraps(inner)  # keeps the signature transformers inspects (labels, loss kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for make in makers:
+                stack.enter_context(make(plan, ctx))
+            return inner(*args, **kwargs)
+
+    model.forward = forward
 
 
-def load_hf_4bit(model_id: str, compute_dtype: torch.dtype = torch.float16, device_map: Any = "auto") -> torch.nn.Module:
-    """Load a hub model with its linear layers in 4-bit NF4 with double quantization, straight onto the
-    GPU (``BitsAndBytesConfig``): the 16-bit weights never sit in GPU memory. Needs CUDA.
+def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.device | None = None,
+                  offload_sim: bool = False) -> torch.nn.Module:
+    """Apply the plan's model-side tokens to ``model`` (a transformers model, or any ``nn.Module``) and move
+    it to ``device`` (default: the GPU if there is one): lora/qlora through colabkit's LoRA (peft
+    adapters, bitsandbytes NF4 base), compress/attention/offload:activations as forward contexts,
+    checkpoint:N on every N-th layer. Loop-side tokens are left to :func:`training_arguments`.
 
-    >>> model = load_hf_4bit("Qwen/Qwen2.5-0.5B-Instruct")  # doctest: +SKIP
+    >>> from colabkit.models import build_model, count_params
+    >>> m = prepare_model(build_model("gpt-tiny"), "lora:4+accum:2", device="cpu")
+    >>> count_params(m, trainable_only=True), m._colabkit_plan
+    (8192, 'lora:4+accum:2')
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("load_hf_4bit needs a CUDA GPU; on the CPU build the model normally and use the "
-                           "qlora:R plan token, which quantizes its linear layers with bitsandbytes' CPU kernels")
-    tf = _transformers()
-    bnb_config = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                       bnb_4bit_compute_dtype=compute_dtype)
-    model = tf.AutoModelForCausalLM.from_pretrained(model_id, quantization_config=bnb_config, device_map=device_map,
-                                                    dtype=compute_dtype)
-    model._colabkit_placed = True  # placed by accelerate; .to() is refused on 4-bit HF models
+    plan = Plan.parse(plan)
+    dev = torch.device(device or default_device())
+    ctx = Context(device=dev, env=env(), model=model, offload_sim=offload_sim)
+    side = split_plan(plan, dev)[1]
+    plan.check(ctx)
+    names = {t.partition(":")[0] for t in side}
+    for t in plan.techniques():
+        if t.prepare_model is not None and t.name in names and t.name != "offload":
+            model = t.prepare_model(model, plan, ctx)
+    if ctx.loss_scaling and "fp16" not in plan:
+        raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
+                        "the plan (transformers' Trainer then uses a GradScaler)")
+    makers = [t.forward_context for t in plan.techniques()
+              if t.forward_context is not None and t.name in names and t.name in ("compress", "attention", "offload")]
+    if makers:
+        _with_contexts(model, makers, plan, ctx)
+    if not getattr(model, "_colabkit_placed", False):
+        model = model.to(dev)
+    model._colabkit_plan = str(plan)
     return model
+
+
+def check_run(args: Any, model: torch.nn.Module) -> None:
+    """PlanError unless the model carries the model-side tokens and ``args`` the loop-side tokens of the
+    plan given to :func:`training_arguments` and/or :func:`prepare_model` (nothing is dropped silently)."""
+    on_args, on_model = getattr(args, "colabkit_plan", None), getattr(unwrap(model), "_colabkit_plan", None)
+    applied = Plan.parse(on_model).tokens if on_model is not None else ()
+    for text in dict.fromkeys(t for t in (on_args, on_model) if t is not None):
+        loop, side = split_plan(text, getattr(args, "device", "cpu"))
+        missing = [t for t in side if t not in applied]
+        if missing:
+            raise PlanError(f"plan token(s) {', '.join(missing)} live on the model: call "
+                            f"colabkit.hf.prepare_model(model, {text!r}) before building the Trainer")
+        for tok, kws in loop.items():
+            for key, value in kws.items():
+                if _norm(getattr(args, key, None)) != value:
+                    raise PlanError(f"plan token {tok!r} needs TrainingArguments({key}={value!r}), the Trainer has "
+                                    f"{key}={getattr(args, key, None)!r}: build them with "
+                                    f"colabkit.hf.training_arguments({text!r}, ...)")
+
+
+class MemoryCallback:
+    """A ``transformers.TrainerCallback`` that measures ``trainer.train()`` with :class:`colabkit.MemoryTracker`.
+
+    Phases: a forward hook on the model labels forward (``eval`` in evaluation) and backward; the
+    optimizer step is labelled between ``on_pre_optimizer_step`` and ``on_step_end``. The optimizer the
+    Trainer builds is watched from ``on_train_begin``, so its state counts as optimizer state. In a
+    notebook the live plot (:class:`colabkit.LivePlot`) is redrawn in place; every training log gets
+    ``memory/*`` scalars (the callback moves itself first among the Trainer's callbacks, so the reporters
+    -- TensorBoard, W&B, ... -- see them); at the end it prints the tracker's table. ``report()`` gives
+    the tracker's report, ``tracker`` the tracker itself. A run that raises leaves the tracker on until
+    the next ``train()`` or :meth:`close`.
+
+    >>> trainer = transformers.Trainer(model, args, train_dataset=ds, callbacks=[MemoryCallback()])  # doctest: +SKIP
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # transformers is imported here, not by `import colabkit`: the instance's class is MemoryCallback
+        # with transformers.TrainerCallback as a second base (isinstance works for both).
+        base = _transformers().TrainerCallback
+        if not issubclass(cls, base):
+            cls = _callback_class(cls, base)
+        return object.__new__(cls)
+
+    def __init__(self, live_plot: "LivePlot | bool | None" = None, budget_bytes: int | None = None,
+                 print_table: bool = True, alert_at: float | None = 0.9):
+        self.live_plot = LivePlot(budget_bytes=budget_bytes) if live_plot in (None, True) else (live_plot or None)
+        self.budget_bytes, self.print_table, self.alert_at = budget_bytes, print_table, alert_at
+        self.tracker: MemoryTracker | None = None
+        self._phase: Any = None  # the open phase context
+        self._hooks: list[Any] = []
+        self._optimizer: Any = None
+        self._pending: dict[str, float] = {}
+        self._step = 0
+        self._report: dict[str, Any] | None = None
+
+    # ----- the Trainer's events --------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        self._go_first()
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._go_first()
+        self.close()  # a tracker left on by a run that raised
+        check_run(args, model)
+        self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
+                                     on_sample=self.live_plot.update if self.live_plot is not None else None)
+        self._optimizer = optimizer
+        self.tracker.__enter__()
+        self._step = state.global_step
+        self.tracker.set_step(self._step)
+        self._hooks = [model.register_forward_pre_hook(self._before_forward),
+                       model.register_forward_hook(self._after_forward)]
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._switch(None)
+        if self.tracker is None:  # added after train() began: nothing to measure until the next train()
+            return
+        if optimizer is not None and optimizer is not self._optimizer:  # built or re-wrapped after train begin
+            self._optimizer = optimizer
+            self.tracker.watch(optimizer=optimizer)
+        self._step = state.global_step
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._switch(None)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._switch("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._switch(None)
+        self._pending = memory_metrics(self.tracker, state.global_step - 1) if self.tracker is not None else {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending and logs is not None and "loss" in logs:
+            logs.update(self._pending)
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(self._pending)
+            self._pending = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+        if self._report is not None and self.print_table:
+            print(format_report(self._report))
+
+    # ----- results -------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """The tracker's report: peak, each category's own peak, the categories at the peak, per phase."""
+        if self._report is not None:
+            return self._report
+        if self.tracker is None:
+            raise RuntimeError("MemoryCallback has measured nothing yet: pass it to a Trainer and call train()")
+        return self.tracker.report()
+
+    def close(self) -> None:
+        """End the measurement (called at the end of training): remove the hooks, stop the tracker."""
+        if self.tracker is None:
+            return
+        self._switch(None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.tracker.__exit__(None, None, None)
+        self._report = self.tracker.report()
+        if self.live_plot is not None:
+            self.live_plot.close()
+        self.tracker = None
+
+    # ----- phases ----------------------------------------------------------------------------------
+    def _switch(self, name: str | None) -> None:
+        if self._phase is not None:
+            self._phase.__exit__(None, None, None)
+            self._phase = None
+        if name is not None and self.tracker is not None:
+            self._phase = self.tracker.phase(name, self._step)
+            self._phase.__enter__()
+
+    def _before_forward(self, module, args):
+        self._switch("forward" if module.training else "eval")
+
+    def _after_forward(self, module, args, output):
+        if module.training and torch.is_grad_enabled():
+            self._switch("backward")  # the loss is computed inside transformers' forward; backward follows
+
+    def _go_first(self) -> None:
+        """Move this callback to the front of the Trainer's callback list (the ``CallbackHandler`` calling
+        this event), so that its ``on_log`` adds the memory scalars before the reporters send the log."""
+        frame = sys._getframe(1)
+        for _ in range(4):
+            frame = frame.f_back
+            if frame is None:
+                break
+            handler = frame.f_locals.get("self")
+            callbacks = getattr(handler, "callbacks", None)
+            if isinstance(callbacks, list) and any(c is self for c in callbacks):
+                callbacks.remove(self)
+                callbacks.insert(0, self)
+                return
+        warnings.warn("MemoryCallback could not find the Trainer's callback list: memory/* scalars reach "
+                      "state.log_history and the callbacks after it only", stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _callback_class(cls: type, base: type) -> type:
+    return type(cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__})

@@ -29,13 +29,19 @@ def step_metrics(event: dict[str, Any]) -> dict[str, float]:
     ``step_time_s``, ``trainer``): the memory figures come from the tracker's samples of that step."""
     out = {"loss": float(event["loss"]), "step_time_s": float(event["step_time_s"])}
     tracker = getattr(event.get("trainer"), "tracker", None)
-    if tracker is None:
-        return out
-    samples = [s for s in tracker.timeline if s.get("step") == event["step"] - 1 and s.get("phase") != "setup"]
+    if tracker is not None:
+        out.update(memory_metrics(tracker, event["step"] - 1))
+    return out
+
+
+def memory_metrics(tracker: Any, step: int) -> dict[str, float]:
+    """``memory/*`` scalars of one (0-based) step from a tracker's phase samples: the step's peak, each
+    category's largest value in it, the host RAM; empty when the tracker has no sample of that step."""
+    samples = [s for s in tracker.timeline if s.get("step") == step and s.get("phase") != "setup"]
     if not samples:
-        return out
-    out["memory/step_peak_bytes"] = float(max(max(s.get("phase_peak") or 0, s.get("phase_peak_cuda") or 0)
-                                              for s in samples))
+        return {}
+    out = {"memory/step_peak_bytes": float(max(max(s.get("phase_peak") or 0, s.get("phase_peak_cuda") or 0)
+                                               for s in samples))}
     if samples[0].get("categories"):
         for c in CATEGORIES:
             out[f"memory/{c}_bytes"] = float(max(s["categories"][c] for s in samples))

@@ -331,8 +331,22 @@ def build_meta(name: str, seq: int | None = None) -> nn.Module:
 
 
 def logits_of(out: Any) -> torch.Tensor:
-    """Logits from a plain model's tensor output or a Hugging Face ``ModelOutput``."""
-    return out if isinstance(out, torch.Tensor) else out.logits
+    """Logits from a model's output: a tensor, a Hugging Face ``ModelOutput`` (or dict) with ``logits``, or
+    a tuple whose first non-scalar tensor they are (nanoGPT's ``(logits, loss)``, ``return_dict=False``).
+
+    >>> logits_of((torch.zeros(2, 3), None)).shape
+    torch.Size([2, 3])
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)):
+        for t in out:
+            if isinstance(t, torch.Tensor) and t.ndim >= 1:
+                return t
+    raise TypeError(f"no logits in the model's {type(out).__name__} output")
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:

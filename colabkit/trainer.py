@@ -2,13 +2,15 @@
 
 A :class:`Trainer` applies a plan to a model (model transforms, forward contexts, optimizer) and runs
 optimizer steps on an effective batch, split into ``accum:K`` micro-batches, with the loss
-normalised by the token count of the whole window. It sits below the train loop (:mod:`colabkit.train`),
-the OOM guard and the estimator, which all drive it; techniques never import it.
+normalised by the token (or example) count of the whole window. A batch is colabkit's ``(x, y)`` or a
+dict in transformers' convention (``input_ids``, ``attention_mask``, unshifted ``labels``; see
+:mod:`colabkit.batches`). It sits below the train loop (:mod:`colabkit.train`), the OOM guard and the
+estimator, which all drive it; techniques never import it.
 
 >>> t = Trainer(build_model("gpt-tiny"), "baseline", device="cpu")
 >>> x, y = TextData().batch(2, 16, step=0)
->>> isinstance(t.step(x, y), float)
-True
+>>> isinstance(t.step(x, y), float), isinstance(t.step({"input_ids": x, "labels": x}), float)
+(True, True)
 """
 from __future__ import annotations
 
@@ -17,12 +19,12 @@ import hashlib
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
+from .batches import Batch, LossFn, count, head_of, make_batch, micro_loss
 from .env import default_device, env
-from .data import IGNORE_INDEX, TextData
+from .data import TextData
 from .memory import MemoryTracker
-from .models import build_model, count_params, logits_of
+from .models import build_model, count_params
 from .plan import Context, Plan, PlanError, param_groups, REGISTRY
 
 ModelFn = Callable[[], torch.nn.Module]
@@ -34,14 +36,6 @@ def _device(device: str | torch.device | None) -> torch.device:
         raise RuntimeError("device='cuda' asked for but no GPU is attached: use device='cpu', or in Colab "
                            "Runtime -> Change runtime type -> T4 GPU")
     return d
-
-
-def split_micro(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split an effective batch (B, S) into k micro-batches along B; the last may be smaller."""
-    if k > x.shape[0]:
-        raise PlanError(f"accum:{k} needs at least {k} sequences per step, got batch {x.shape[0]}: "
-                        f"use accum:{x.shape[0]} or less, or a larger batch")
-    return list(zip(x.tensor_split(k), y.tensor_split(k)))
 
 
 def load_model(name: str, plan: Plan | str = "baseline", seq: int | None = None,
@@ -82,8 +76,13 @@ class Trainer:
         model_name: str | None = None,
         tracker: MemoryTracker | None = None,
         offload_sim: bool = False,
+        loss_fn: LossFn | None = None,
+        task: str | None = None,
     ):
         self.plan = Plan.parse(plan)
+        # loss_fn(outputs, labels, num_items_in_batch) -> loss / num_items_in_batch (transformers' compute_loss_func);
+        # task: the head's loss convention when it cannot be told from the model (colabkit.batches.HEADS)
+        self.loss_fn, self.task = loss_fn, task
         # offload_sim: offload tokens on a CPU run with a simulated host side (techniques/offload.py)
         self.ctx = Context(device=_device(device), env=env(), model_name=model_name, lr=lr,
                            weight_decay=weight_decay, max_grad_norm=max_grad_norm, offload_sim=offload_sim)
@@ -124,19 +123,35 @@ class Trainer:
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, n_tokens: torch.Tensor | int) -> torch.Tensor:
         """Summed token cross-entropy of (x, y) divided by the window's token count ``n_tokens``."""
-        logits = logits_of(self.model(x))  # (B, S, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / n_tokens
+        b = Batch((x,), {}, y, aligned=True)
+        return micro_loss(self.model(x), b, head_of(self.model, b, self.task), n_tokens, 0, 1, self.loss_fn)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on the effective batch (B, S); returns its mean token loss."""
+    def _batch(self, batch: Any, y: torch.Tensor | None) -> tuple[Batch, str]:
+        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None).to(self.ctx.device)
+        return b, head_of(self.model, b, self.task)
+
+    def _micro(self, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int) -> torch.Tensor:
+        """One micro-batch's forward and its share of the window's mean loss."""
+        out = self.model(*b.args, **b.kwargs)
+        problem = getattr(getattr(self.model, "config", None), "problem_type", None)
+        return micro_loss(out, b, head, n_window, n_micro, self.accum, self.loss_fn, problem)
+
+    def step(self, batch: Any, y: torch.Tensor | None = None) -> float:
+        """One optimizer step on the effective batch -- ``step(x, y)`` or ``step({"input_ids": ...,
+        "labels": ...})`` -- split into ``accum:K`` micro-batches; returns its mean loss over the window."""
         self.model.train()
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-        n_tokens = (y != IGNORE_INDEX).sum().clamp(min=1)  # the whole window, not each micro-batch
+        b, head = self._batch(batch, y)
+        micro = b.split(self.accum)
+        # items (tokens, examples) of the whole window, not of each micro-batch; one sync for the list
+        counts = torch.stack([torch.as_tensor(count(m.labels, head, m.size), device=self.ctx.device) for m in micro])
+        n_window, n_micro = counts.sum().clamp(min=1), counts.tolist()
         total = torch.zeros((), device=self.ctx.device)
-        for xi, yi in split_micro(x, y, self.accum):
+        for mb, n in zip(micro, n_micro):
             with self._phase("forward"), self.forward_context():
-                loss = self.loss(xi, yi, n_tokens)
+                loss = self._micro(mb, head, n_window, n)
+            if n == 0 and "labels" in mb.kwargs and self.loss_fn is None:
+                del loss  # the model's own mean over no tokens is NaN and adds nothing to the window
+                continue
             with self._phase("backward"):
                 self.scaler.scale(loss).backward()
             total += loss.detach()
@@ -152,11 +167,13 @@ class Trainer:
         return float(total)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def evaluate(self, batch: Any, y: torch.Tensor | None = None) -> float:
+        """The mean loss of a batch (``(x, y)`` or a dict), without a step."""
         self.model.eval()
-        x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        b, head = self._batch(batch, y)
+        n = max(int(count(b.labels, head, b.size)), 1)
         with self.forward_context():
-            return float(self.loss(x, y, (y != IGNORE_INDEX).sum().clamp(min=1)))
+            return float(self._micro(b, head, n, n))
 
     # ----- checkpoints: everything needed for an exact resume --------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -67,6 +67,10 @@ def _keep_as_is(t: torch.Tensor, min_numel: int) -> bool:
         return True
     if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True  # a weight (or its transpose): it stays in memory anyway
+    if t.grad_fn is None and not t.requires_grad:
+        # no autograd history: an input or a constant (a transformers attention mask with -inf, shared by every
+        # layer; RoPE tables) that its owner keeps alive anyway -- an int8 copy would add memory, and -inf is NaN
+        return True
     fn = t.grad_fn  # autocast's low-precision copy of a weight is cached: an int8 copy would add memory
     if fn is not None and type(fn).__name__.startswith("ToCopyBackward"):
         nxt = fn.next_functions[0][0] if fn.next_functions else None

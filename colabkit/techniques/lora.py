@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .. import hf as _hf  # noqa: F401  (registers the llama:LxD family)
+from .. import hf_models as _hf  # noqa: F401  (registers the llama:LxD family)
 from ..env import native_bf16, trim_host_heap
 from ..models import build_meta, gpt_config, materialize
 from ..plan import Context, Plan, PlanError, Technique, register
@@ -610,7 +610,7 @@ def _load(quantize: bool):
         # 14 GB of 16-bit weights in host RAM or VRAM. GPT and llama:LxD shapes are built on the meta
         # device and materialised layer by layer into NF4 / 16 bits. Other models build normally.
         if quantize and name.startswith("hf:") and ctx.cuda:
-            from ..hf import load_hf_4bit
+            from ..hf_models import load_hf_4bit
 
             return load_hf_4bit(name[3:], compute_dtype=compute_dtype(ctx, True))
         if not _buildable(name):

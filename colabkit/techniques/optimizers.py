@@ -328,6 +328,6 @@ def make_optimizer(model: torch.nn.Module, token: str = "adamw", lr: float = 3e-
     from ..plan import REGISTRY, param_groups
 
     plan = Plan.parse(token)
-    ctx = Context(device=torch.device(device), lr=lr, weight_decay=weight_decay)
+    ctx = Context(device=torch.device(device), lr=lr, weight_decay=weight_decay, model=model)  # adam-mini, galore: names
     plan.check(ctx)
     return REGISTRY[plan.optimizer].make_optimizer(param_groups(model, weight_decay), plan, ctx)

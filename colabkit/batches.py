@@ -1,0 +1,251 @@
+"""Batches as people have them, and their loss normalised by the whole effective batch.
+
+A batch is either colabkit's ``(x, y)`` (token ids and the target of each position: already shifted) or
+a dict in Hugging Face's convention: ``input_ids``/``attention_mask`` (or ``pixel_values``) and
+``labels`` *unshifted* with -100 ignored; any other key goes to the model as a keyword. Outputs may be
+a tensor, a tuple (nanoGPT's ``(logits, loss)``) or a ``ModelOutput``.
+
+The loss of one micro-batch is its *summed* loss over the token (or example) count of the whole window
+of ``accum:K`` micro-batches, whatever the head, so accumulation equals the un-accumulated step:
+
+- ``causal-lm``: position i predicts label i+1 (labels shifted as transformers does), tokens counted
+  over ``labels[..., 1:]``;
+- ``token-classification``: one label per position (also masked LM), no shift;
+- ``sequence-classification``: one label per example (text or images); float labels are regression
+  (MSE) or multi-label (BCE), counted per element, as in transformers.
+
+A model that computes its own loss (``labels`` given) returns the mean over its micro-batch; it is
+re-weighted by that micro-batch's count over the window's (what ``num_items_in_batch`` does in
+transformers' Trainer). Anything else takes ``loss_fn(outputs, labels, num_items_in_batch)``, transformers'
+``compute_loss_func`` convention. What cannot become a loss is a :class:`PlanError` saying what to pass.
+
+>>> logits = torch.zeros(1, 4, 8)                     # (B, S, V)
+>>> labels = torch.tensor([[5, 1, 2, -100]])           # unshifted: 2 tokens are predicted
+>>> int(count(labels, "causal-lm")), round(float(summed_loss(logits, labels, "causal-lm")), 4)
+(2, 4.1589)
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE_INDEX
+from .models import logits_of
+from .plan import PlanError
+
+HEADS = ("causal-lm", "token-classification", "sequence-classification")
+# transformers' class-name suffixes (stable across versions; peft wrappers are unwrapped first)
+_SUFFIXES = {
+    "causal-lm": ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"),
+    "token-classification": ("ForTokenClassification", "ForMaskedLM"),
+    "sequence-classification": ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
+                                "ForMultipleChoice"),
+}
+LossFn = Callable[[Any, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Batch:
+    """One forward's inputs: ``args`` (positional), ``kwargs`` (everything but the labels), ``labels``,
+    and ``aligned`` (colabkit's ``(x, y)``: the target of each position is given, nothing to shift)."""
+
+    args: tuple
+    kwargs: dict
+    labels: torch.Tensor | None
+    aligned: bool = False
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = [(f"arg{i}", a) for i, a in enumerate(self.args)] + list(self.kwargs.items())
+        named.append(("labels", self.labels))
+        return [(k, v) for k, v in named if isinstance(v, torch.Tensor)]
+
+    @property
+    def size(self) -> int:
+        """Examples in the batch: dim 0 of its first tensor that has one."""
+        return next((t.shape[0] for _, t in self.tensors() if t.ndim), 1)
+
+    def to(self, device: torch.device) -> "Batch":
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return Batch(tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()},
+                     move(self.labels), self.aligned)
+
+    def split(self, k: int) -> list["Batch"]:
+        """K micro-batches along dim 0 of every tensor (``tensor_split``: the first ``B % k`` get one more).
+        A tensor without the batch along dim 0 cannot be split: refused with its name."""
+        if k == 1:
+            return [self]
+        b = self.size
+        if k > b:
+            raise PlanError(f"accum:{k} needs at least {k} sequences (examples) per step, got batch {b}: "
+                            f"use accum:{b} or less, or a larger batch")
+        for name, t in self.tensors():
+            if t.ndim == 0 or t.shape[0] != b:
+                raise PlanError(f"accum:{k} splits every tensor of the batch along dim 0, but {name!r} has shape "
+                                f"{tuple(t.shape)} and the batch has {b} examples: give it a leading batch dimension, "
+                                "or use accum:1")
+        part = lambda v: v.tensor_split(k) if isinstance(v, torch.Tensor) else [v] * k  # noqa: E731
+        args = [part(a) for a in self.args]
+        kwargs = {key: part(v) for key, v in self.kwargs.items()}
+        labels = part(self.labels)
+        return [Batch(tuple(a[i] for a in args), {key: v[i] for key, v in kwargs.items()}, labels[i], self.aligned)
+                for i in range(k)]
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a peft ``PeftModel`` wrapper (colabkit's own LoRA keeps the model's class)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def forward_params(model: torch.nn.Module) -> tuple[list[str], bool]:
+    """Names of ``model.forward``'s parameters and whether it takes ``**kwargs``."""
+    params = inspect.signature(model.forward).parameters.values()
+    return ([p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)],
+            any(p.kind == p.VAR_KEYWORD for p in params))
+
+
+def make_batch(model: torch.nn.Module, batch: Any, y: torch.Tensor | None = None, labels_to_model: bool = True) -> Batch:
+    """A :class:`Batch` from ``(x, y)``, ``((x, y))`` or a dict; ``labels_to_model`` passes ``labels`` to a
+    model whose forward takes them (so it computes its own loss). Keys the forward does not take are
+    refused, except the main input (``input_ids``/``pixel_values``), given positionally to a forward that
+    names it otherwise (``forward(idx)``).
+
+    >>> from colabkit.models import build_model
+    >>> b = make_batch(build_model("gpt-tiny"), {"input_ids": torch.zeros(2, 8, dtype=torch.long),
+    ...                                          "labels": torch.zeros(2, 8, dtype=torch.long)})
+    >>> len(b.args), sorted(b.kwargs), b.labels.shape
+    (1, [], torch.Size([2, 8]))
+    """
+    if isinstance(batch, (tuple, list)) and y is None and len(batch) == 2:
+        batch, y = batch
+    if isinstance(batch, torch.Tensor):
+        if y is None:
+            raise PlanError("step(x) needs the targets: step(x, y) with y the target of each position, or a batch "
+                            "dict {'input_ids': ..., 'labels': ...} in transformers' convention (labels unshifted)")
+        return Batch((batch,), {}, y, aligned=True)
+    if not isinstance(batch, Mapping):
+        raise PlanError(f"a batch is (x, y) or a dict such as {{'input_ids', 'attention_mask', 'labels'}}, "
+                        f"got {type(batch).__name__}")
+    if y is not None:
+        raise PlanError("a batch dict carries its targets under 'labels': pass step(batch), not step(batch, y)")
+    kwargs = dict(batch)
+    labels = kwargs.pop("labels", None)
+    names, var_kw = forward_params(model)
+    args: tuple = ()
+    if not var_kw:
+        unknown = [k for k in kwargs if k not in names]
+        main = [k for k in unknown if k in ("input_ids", "pixel_values")]
+        free = [n for n in names if n not in kwargs]
+        if len(main) == 1 and free:  # forward(idx) / forward(x): the main input goes first, positionally
+            args = (kwargs.pop(main[0]),)
+            unknown.remove(main[0])
+        if unknown:
+            raise PlanError(f"{type(model).__name__}.forward takes ({', '.join(names)}); the batch also has "
+                            f"{unknown}: drop or rename those keys")
+    if labels is not None and labels_to_model and (var_kw or "labels" in names):
+        kwargs["labels"] = labels
+    return Batch(args, kwargs, labels)
+
+
+def head_of(model: torch.nn.Module, b: Batch, task: str | None = None) -> str:
+    """The head whose loss convention applies: ``task`` if given, else transformers' model class, else
+    the labels' shape ((B, S): causal LM, transformers' convention for your own LM; (B,): classification).
+    ``(x, y)`` batches are never shifted: y already holds each position's target."""
+    if task is not None:
+        if task not in HEADS:
+            raise PlanError(f"task={task!r}: use one of {', '.join(HEADS)}, or loss_fn= for anything else")
+        return task
+    name = type(unwrap(model)).__name__
+    for head, suffixes in _SUFFIXES.items():
+        if name.endswith(suffixes):
+            if head == "causal-lm" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+                return "token-classification"  # seq2seq: labels align with the decoder's positions
+            return "token-classification" if b.aligned and head == "causal-lm" else head
+    labels = b.labels
+    if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
+        return "token-classification" if b.aligned else "causal-lm"
+    return "sequence-classification"
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Label i+1 at position i, -100 at the end (transformers' ForCausalLMLoss: the logits are not copied)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def count(labels: torch.Tensor | None, head: str, examples: int = 1) -> torch.Tensor | int:
+    """Items a head's loss averages over: non-ignored (shifted for causal LM) integer labels, every
+    element of float labels; ``examples`` when there are no labels (``loss_fn``)."""
+    if labels is None:
+        return examples
+    if labels.is_floating_point():
+        return labels.numel()
+    if head == "causal-lm":
+        labels = labels[..., 1:]
+    return (labels != IGNORE_INDEX).sum()
+
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor, head: str, problem_type: str | None = None) -> torch.Tensor:
+    """The head's loss summed over its items (fp32): cross-entropy for class ids; for float labels MSE
+    (``regression``, or one output) or BCE-with-logits (``multi_label_classification``)."""
+    if labels.is_floating_point():
+        if problem_type == "regression" or (problem_type is None and logits.shape[-1] == 1):
+            return F.mse_loss(logits.float().reshape(labels.shape), labels.float(), reduction="sum") \
+                if logits.numel() == labels.numel() else _mismatch(logits, labels)
+        if logits.shape != labels.shape:
+            _mismatch(logits, labels)
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    if head == "causal-lm":
+        labels = _shifted(labels)
+    if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
+        _mismatch(logits, labels)
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _mismatch(logits: torch.Tensor, labels: torch.Tensor):
+    raise PlanError(f"cannot make a loss from the model's output {tuple(logits.shape)} and labels {tuple(labels.shape)}: "
+                    "for a language model give labels shaped like input_ids (B, S); for classification one class id "
+                    "per example (B,); for anything else pass loss_fn=f(outputs, labels, num_items_in_batch)")
+
+
+def loss_of(out: Any) -> torch.Tensor | None:
+    """The loss a model computed itself: ``out.loss``, a scalar tensor output, or the scalar in a tuple
+    (transformers' ``(loss, logits)``, nanoGPT's ``(logits, loss)``); None if there is none."""
+    if isinstance(out, torch.Tensor):
+        return out if out.ndim == 0 else None
+    if isinstance(out, Mapping) or hasattr(out, "loss"):
+        loss = out.get("loss") if isinstance(out, Mapping) else out.loss
+        return loss if isinstance(loss, torch.Tensor) else None
+    if isinstance(out, (tuple, list)):
+        return next((t for t in out if isinstance(t, torch.Tensor) and t.ndim == 0 and t.is_floating_point()), None)
+    return None
+
+
+def micro_loss(out: Any, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int, accum: int,
+               loss_fn: LossFn | None = None, problem_type: str | None = None) -> torch.Tensor:
+    """One micro-batch's share of the window's mean loss (see the module docstring)."""
+    if loss_fn is not None:
+        return loss_fn(out, b.labels, n_window)
+    own = loss_of(out)
+    if own is not None and "labels" in b.kwargs:  # the model's mean over its own micro-batch: re-weight
+        return own * (n_micro / n_window)
+    if own is not None and b.labels is None:
+        if accum > 1:
+            raise PlanError("the model computes its own loss from keys other than 'labels', so the window's token count "
+                            "is unknown and accum:K would weight micro-batches wrongly: name the targets 'labels', "
+                            "pass loss_fn=f(outputs, labels, num_items_in_batch), or use accum:1")
+        return own
+    if b.labels is None:
+        raise PlanError("the batch has no 'labels' and the model returned no loss: add 'labels' to the batch "
+                        "(transformers' convention: unshifted, -100 ignored) or pass loss_fn=")
+    try:
+        logits = logits_of(out)
+    except TypeError as e:
+        raise PlanError(f"{e}: return logits (a tensor, a tuple starting with them, or an output with .logits), "
+                        "or pass loss_fn=") from None
+    return summed_loss(logits, b.labels, head, problem_type) / n_window
+

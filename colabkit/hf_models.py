@@ -1,0 +1,110 @@
+"""Hugging Face models without the hub: ``llama:LxD`` builds a Llama-shaped ``LlamaForCausalLM`` from
+a transformers config with random weights and a byte vocabulary (256), so CI and offline users run the
+same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model; and
+:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``).
+
+It sits with the models (imports go down only); :mod:`colabkit.hf`, the user-facing integration with
+transformers' Trainer, re-exports it.
+
+>>> cfg = llama_config("llama:2x128")
+>>> cfg.num_attention_heads, cfg.intermediate_size, cfg.vocab_size
+(2, 512, 256)
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from .models import register_family
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("llama:LxD and hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
+    return transformers
+
+
+def llama_intermediate(d: int, multiple_of: int = 256) -> int:
+    """Llama's MLP width: 2/3 of 4·D (SwiGLU keeps the parameter count of a 4·D GELU MLP), rounded up
+    to a multiple of 256 as in Meta's reference code (D=4096 -> 11008). >>> llama_intermediate(4096)
+    11008"""
+    hidden = int(2 * 4 * d / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def llama_config(name: str, seq: int | None = None, dropout: float = 0.0, **overrides: Any):
+    """``llama:LxD`` -> a ``LlamaConfig``: L layers of width D, 64-wide heads (D//64, at least 1),
+    SwiGLU MLP, RMSNorm, RoPE, byte vocabulary 256 and tied input/output embeddings (like the small
+    Llama-3.2 / Qwen2.5 models people fine-tune on a T4). ``:vN`` sets the vocabulary."""
+    m = re.fullmatch(r"llama:(\d+)x(\d+)(?::v(\d+))?", name)
+    if not m:
+        raise ValueError(f"{name!r}: use llama:LxD, e.g. llama:4x256 (optionally :vN for a vocabulary of N)")
+    L, D = int(m[1]), int(m[2])
+    if L < 1 or D < 64 or D % 64:
+        raise ValueError(f"{name!r}: need at least 1 layer and a width that is a multiple of 64")
+    tf = _transformers()
+    kw = dict(vocab_size=int(m[3] or 256), hidden_size=D, intermediate_size=llama_intermediate(D),
+              num_hidden_layers=L, num_attention_heads=D // 64, num_key_value_heads=D // 64,
+              max_position_embeddings=max(1024, seq or 0), tie_word_embeddings=True,
+              attention_dropout=dropout, bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False)
+    kw.update(overrides)
+    return tf.LlamaConfig(**kw)
+
+
+def build_llama(name: str, seq: int | None = None, dropout: float = 0.0) -> torch.nn.Module:
+    """A randomly initialised ``LlamaForCausalLM`` for ``llama:LxD`` (SDPA attention).
+
+    >>> m = build_llama("llama:1x64")
+    >>> m(torch.zeros(1, 8, dtype=torch.long)).logits.shape
+    torch.Size([1, 8, 256])
+    """
+    tf = _transformers()
+    cfg = llama_config(name, seq=seq, dropout=dropout)
+    cfg._attn_implementation = "sdpa"
+    return tf.LlamaForCausalLM(cfg)
+
+
+register_family("llama:", build_llama)
+
+
+def dtype_kwarg(tf: Any = None) -> str:
+    """The ``from_pretrained`` keyword for the weights' dtype in the installed transformers: ``dtype`` from
+    4.56 on, ``torch_dtype`` before (which 4.45-4.55 need: they ignore or reject ``dtype``).
+
+    >>> dtype_kwarg(type("tf", (), {"__version__": "4.45.2"}))
+    'torch_dtype'
+    """
+    from packaging.version import Version
+
+    tf = tf or _transformers()
+    return "dtype" if Version(tf.__version__).release >= (4, 56) else "torch_dtype"
+
+
+def single_device_map() -> dict[str, int]:
+    """Every module on the current CUDA device: the one :class:`colabkit.MemoryTracker` measures. (``"auto"``
+    would split a model across both T4s of a Kaggle machine while the tracker watches one.)"""
+    return {"": torch.cuda.current_device()}
+
+
+def load_hf_4bit(model_id: str, compute_dtype: torch.dtype = torch.float16, device_map: Any = None) -> torch.nn.Module:
+    """Load a hub model with its linear layers in 4-bit NF4 with double quantization, straight onto the
+    GPU (``BitsAndBytesConfig``): the 16-bit weights never sit in GPU memory. Needs CUDA. The whole model
+    goes to the current device (:func:`single_device_map`) unless ``device_map`` says otherwise.
+
+    >>> model = load_hf_4bit("Qwen/Qwen2.5-0.5B-Instruct")  # doctest: +SKIP
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("load_hf_4bit needs a CUDA GPU; on the CPU build the model normally and use the "
+                           "qlora:R plan token, which quantizes its linear layers with bitsandbytes' CPU kernels")
+    tf = _transformers()
+    bnb_config = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                       bnb_4bit_compute_dtype=compute_dtype)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        model_id, quantization_config=bnb_config, device_map=single_device_map() if device_map is None else device_map,
+        **{dtype_kwarg(tf): compute_dtype})
+    model._colabkit_placed = True  # placed by accelerate; .to() is refused on 4-bit HF models
+    return model
