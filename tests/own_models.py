@@ -97,15 +97,7 @@ def _check_model_side(plan: str, name: str, m: nn.Module) -> None:
         assert _quantized_share(m) >= 0.9, f"qlora quantized {_quantized_share(m):.0%} of the base's linear weights"
 
 
-_NEEDS_I22B = {
-    ("gpt2", "qlora:8"): "needs i22b: GPT-2's Conv1D layers quantized (today qlora quantizes nothing on GPT-2)",
-    ("bert", "lora:8"): "needs i22b: the classification head trainable (peft's modules_to_save)",
-    ("bert", "qlora:8"): "needs i22b: the classification head trainable (peft's modules_to_save)",
-}
-
-
 def _cells(names=tuple(MODELS)):
     for name in names:
         for plan in PLANS:
-            marks = [pytest.mark.xfail(strict=True, reason=_NEEDS_I22B[name, plan])] if (name, plan) in _NEEDS_I22B else []
-            yield pytest.param(name, plan, marks=marks, id=f"{name}-{plan}")
+            yield pytest.param(name, plan, id=f"{name}-{plan}")
