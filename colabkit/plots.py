@@ -83,13 +83,19 @@ def _budget(ax, budget_bytes: int | None, top: float, size: int) -> None:
         ax.plot([], [], color="k", ls="--", lw=1, label=label + " (off scale)")
 
 
+def _in_steps(samples: Sequence[dict]) -> list[dict]:
+    """The samples taken inside steps: not the tracker's "setup" (building the model) nor its "end"
+    (after the last step), which would otherwise take a slot of a step of their own."""
+    return [s for s in samples if s.get("phase") not in ("setup", "end")]
+
+
 def _x(samples: Sequence[dict]) -> tuple[list[float], float, str]:
     """Positions in optimizer steps and the width of one slot: step k is (k, k+1] cut into as many equal
     slots as the busiest step has samples (one sample per phase boundary), sample j of step k at
     k + j/slots. Every step uses the same slots, so an unfinished last step (a live plot mid-step) or a
     step with an extra phase does not stretch its phases over the whole step."""
     per_step: dict[int, int] = {}
-    for s in samples:  # (the caller drops the tracker's "setup" sample: it is not part of a step)
+    for s in samples:  # (the caller drops the tracker's "setup" and "end" samples: not part of a step)
         per_step[s.get("step", 0)] = per_step.get(s.get("step", 0), 0) + 1
     slots = max(per_step.values(), default=1)
     seen: dict[int, int] = {}
@@ -181,7 +187,7 @@ def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USA
     in the legend, the budget when on scale, host RAM (RSS) on a second axis in its own units with
     room above it. Each value holds over the phase that ended at its sample (a step line drawn from the
     start of the first phase, so the first forward is drawn too)."""
-    samples = [s for s in samples if s.get("phase") != "setup"] or list(samples)
+    samples = _in_steps(samples) or list(samples)
     xs, width, xlabel = _x(samples)
     _phase_bands(ax, samples, xs, width)
     alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in samples]
@@ -212,14 +218,14 @@ def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USA
         ax2.set_ylim(0, 1.25 * max(rss) / hsize)  # headroom: the line is not clipped by the frame
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12 if any(rss) else 1.01, 1.0), fontsize=7)
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.2 if any(rss) else 1.01, 1.0), fontsize=7)
 
 
 def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None, title: str = "") -> None:
     """Memory over time by category as stacked areas (parameters flat, activations rising in forward
     and falling in backward, gradients appearing, optimizer state from the first step), phases shaded.
     Samples are taken at phase boundaries, so each area steps from one boundary to the next."""
-    rows = [s for s in samples if s.get("categories") and s.get("phase") != "setup"]
+    rows = [s for s in _in_steps(samples) if s.get("categories")]
     if not rows:
         raise ValueError("no per-category samples: track with categories=True (the default)")
     xs, width, xlabel = _x(rows)
@@ -239,6 +245,20 @@ def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title or "memory by category over time", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+
+
+def plot_timeline(samples: Sequence[dict], budget_bytes: int | None = None, title: str = "", categories: bool = True):
+    """A tracker's timeline (``tracker.timeline``, or the samples a live plot collected) as one figure:
+    device memory by phase (:func:`draw_timeline`) and, when the samples carry categories, the stacked
+    categories beside it (:func:`draw_categories`). Returns the figure, for :func:`show`."""
+    plt = _plt()
+    two = categories and any(s.get("categories") for s in _in_steps(samples))
+    fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
+    draw_timeline(axes[0][0], samples, budget_bytes, title)
+    if two:
+        draw_categories(axes[0][1], samples, None, "by category" + (f" — {title}" if title else ""))
+    fig.tight_layout()
+    return fig
 
 
 class LivePlot:
@@ -274,14 +294,7 @@ class LivePlot:
             self.redraw()
 
     def figure(self):
-        plt = _plt()
-        two = self.categories and any(s.get("categories") and s.get("phase") != "setup" for s in self.samples)
-        fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
-        draw_timeline(axes[0][0], self.samples, self.budget_bytes, self.title)
-        if two:
-            draw_categories(axes[0][1], self.samples, None, "by category" + (f" — {self.title}" if self.title else ""))
-        fig.tight_layout()
-        return fig
+        return plot_timeline(self.samples, self.budget_bytes, self.title, self.categories)
 
     def redraw(self) -> None:
         """Draw the current samples into the notebook's display handle (created on first call)."""
@@ -392,9 +405,11 @@ def plot_lines(series: Mapping[str, Any], xlabel: str, ylabel: str, title: str, 
     fig, ax = plt.subplots(figsize=figsize)
     ys_all = [y for _, ys in pts.values() for y in ys if y is not None]
     size = 1
-    if unit == "bytes":
+    if unit == "bytes" and "y" in log:       # ticks carry the units (byte_log_ticks): values stay in bytes
+        ylabel = f"{ylabel} (bytes, log scale)"
+    elif unit == "bytes":
         name, size = byte_unit(max(ys_all + [1]))
-        ylabel = f"{ylabel} ({name})" if "log" not in ylabel and "y" not in log else f"{ylabel} (bytes, log scale)"
+        ylabel = f"{ylabel} ({name})"
     n = len(pts)
     for i, (label, (xs, ys)) in enumerate(pts.items()):
         kw = dict(color=LINE_COLORS[i % len(LINE_COLORS)], ls=LINE_STYLES[i % len(LINE_STYLES)],
@@ -480,6 +495,24 @@ def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] 
             t = timings.get(r["plan"])
             row.append(f"{t.median * 1e3:.1f} ms ({t.low * 1e3:.1f}–{t.high * 1e3:.1f})" if t else "-")
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(samples: Sequence[dict[str, Any]]) -> str:
+    """A tracker's timeline as a Markdown table, one row per phase of each step: the phase's peak and
+    each category alive as it ended (setup and end samples left out).
+
+    >>> s = {"step": 0, "phase": "forward", "phase_peak": 4096, "categories": {c: 1024 for c in CATEGORIES}}
+    >>> print(phase_table([s]).splitlines()[2])
+    | 0 | forward | 4.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB |
+    """
+    from .memory import fmt_bytes
+
+    lines = ["| step | phase | phase peak | " + " | ".join(CATEGORIES) + " |", "|" + "---|" * (3 + len(CATEGORIES))]
+    for s in _in_steps(samples):
+        cats = s.get("categories") or {}
+        lines.append(f"| {s.get('step', 0)} | {s['phase']} | {fmt_bytes(s.get('phase_peak'))} | "
+                     + " | ".join(fmt_bytes(cats.get(c)) for c in CATEGORIES) + " |")
     return "\n".join(lines)
 
 

@@ -163,6 +163,11 @@ def test_an_unfinished_last_step_keeps_the_slots_of_the_others():
     spans = sorted(round(p.get_x() + p.get_width(), 6) for p in ax.patches)
     assert spans == pytest.approx([1 / 3, 2 / 3, 1.0, 4 / 3], abs=1e-6)
     plt.close(fig)
+    # the tracker's "end" sample (after the last step) takes no slot: three phases keep three slots
+    fig, ax = plt.subplots()
+    draw_timeline(ax, samples[:3] + [{**_sample(0, "end", 2**20)}], None)
+    assert sorted(round(p.get_x() + p.get_width(), 6) for p in ax.patches) == pytest.approx([1 / 3, 2 / 3, 1.0])
+    plt.close(fig)
 
 
 def test_host_ram_line_has_headroom_and_says_what_host_ram_is():
@@ -200,6 +205,9 @@ def test_log_axes_are_ticked_at_the_measured_values_and_in_bytes():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512"]   # not 10^2
     ylabels = [t.get_text() for t in ax.get_yticklabels()]
     assert ylabels and all(lab.endswith(("KiB", "MiB")) for lab in ylabels) and len(ylabels) <= 6
+    assert max(ax.get_lines()[0].get_ydata()) == 16 * 2**20              # the data in bytes, like its ticks
+    lo, hi = ax.get_ylim()
+    assert lo <= 2**18 and hi >= 16 * 2**20 and all(lo <= t <= hi for t in ax.get_yticks())
     assert audit(fig) == []
     plt.close(fig)
 
