@@ -160,6 +160,8 @@ def sdpa_backends(device: str | torch.device | None = None) -> list[str]:
     flash needs sm80+ (Ampere); memory-efficient (xformers-style) runs from sm50; math runs anywhere.
     On the CPU, torch has a math and a flash-style fused kernel; only ``math`` can be forced portably.
     """
+    if device is not None and torch.device(device).type == "cuda" and _EMULATING_T4 and not torch.cuda.is_available():
+        return ["math", "efficient"]  # a T4 asked about from a machine without one (t4_rules): sm75, no flash
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
         return ["math"]
     major, minor = torch.cuda.get_device_capability(device)

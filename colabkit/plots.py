@@ -19,7 +19,7 @@ IPython it only keeps the data and ``save()`` writes the PNG.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .env import T4_USABLE_BYTES
 from .memory import CATEGORIES
@@ -83,49 +83,128 @@ def _budget(ax, budget_bytes: int | None, top: float, size: int) -> None:
         ax.plot([], [], color="k", ls="--", lw=1, label=label + " (off scale)")
 
 
-def _x(samples: Sequence[dict]) -> tuple[list[float], str]:
-    """Positions in optimizer steps: the samples of step k (one per phase boundary) spread evenly over
-    (k, k+1], so a step's forward, backward and optimizer phases sit side by side whatever they cost."""
+def _in_steps(samples: Sequence[dict]) -> list[dict]:
+    """The samples taken inside steps: not the tracker's "setup" (building the model) nor its "end"
+    (after the last step), which would otherwise take a slot of a step of their own."""
+    return [s for s in samples if s.get("phase") not in ("setup", "end")]
+
+
+def _x(samples: Sequence[dict]) -> tuple[list[float], float, str]:
+    """Positions in optimizer steps and the width of one slot: step k is (k, k+1] cut into as many equal
+    slots as the busiest step has samples (one sample per phase boundary), sample j of step k at
+    k + j/slots. Every step uses the same slots, so an unfinished last step (a live plot mid-step) or a
+    step with an extra phase does not stretch its phases over the whole step."""
     per_step: dict[int, int] = {}
-    for s in samples:  # (the caller drops the tracker's "setup" sample: it is not part of a step)
+    for s in samples:  # (the caller drops the tracker's "setup" and "end" samples: not part of a step)
         per_step[s.get("step", 0)] = per_step.get(s.get("step", 0), 0) + 1
+    slots = max(per_step.values(), default=1)
     seen: dict[int, int] = {}
     xs = []
     for s in samples:
         k = s.get("step", 0)
         seen[k] = seen.get(k, 0) + 1
-        xs.append(k + seen[k] / per_step[k])
-    return xs, "optimizer step (phases evenly spaced within a step)"
+        xs.append(k + seen[k] / slots)
+    return xs, 1.0 / slots, "optimizer step (its phases side by side)"
 
 
-def _phase_bands(ax, samples: Sequence[dict], xs: list[float]) -> None:
-    """Shade each interval by the phase that ended at its right edge (a sample is taken as a phase
-    ends), and name each phase used once in the legend."""
+def _phase_bands(ax, samples: Sequence[dict], xs: list[float], width: float) -> None:
+    """Shade each sample's slot (x - width, x] by the phase that ended at its right edge (a sample is
+    taken as a phase ends), and name each phase used once in the legend."""
     used = []
-    for i, s in enumerate(samples):
+    for s, x in zip(samples, xs):
         color = PHASE_COLORS.get(s.get("phase"))
         if color:
-            left = xs[i - 1] if i else int(xs[i]) if xs[i] > int(xs[i]) else xs[i] - 1
-            ax.axvspan(left, xs[i], color=color, lw=0, zorder=0, label=f"{s['phase']} phase" if s["phase"] not in used else None)
+            ax.axvspan(x - width, x, color=color, lw=0, zorder=0, label=f"{s['phase']} phase" if s["phase"] not in used else None)
             if s["phase"] not in used:
                 used.append(s["phase"])
 
 
+def integer_ticks(ax, axis: str = "x") -> None:
+    """Ticks only at whole numbers on an axis that counts (steps, K, blocks): no 0.5 steps.
+
+    >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+    >>> fig, ax = plt.subplots(); _ = ax.plot([0, 1, 2], [1, 2, 3]); integer_ticks(ax); fig.canvas.draw()
+    >>> all(float(t).is_integer() for t in ax.get_xticks())
+    True
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True))
+
+
+def value_ticks(ax, values: Sequence[float], axis: str = "x") -> None:
+    """On a log axis, ticks exactly at ``values`` (the sizes that were measured), written plainly
+    (``128``, ``1024``, not ``10^2``), and no minor labels to collide with them.
+
+    >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+    >>> fig, ax = plt.subplots(); ax.set_xscale("log", base=2); value_ticks(ax, [1, 2, 4])
+    >>> [t.get_text() for t in ax.get_xticklabels()]
+    ['1', '2', '4']
+    """
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    vals = sorted(set(values))
+    a.set_minor_locator(NullLocator())
+    a.set_minor_formatter(NullFormatter())
+    (ax.set_xticks if axis == "x" else ax.set_yticks)(vals, [f"{v:g}" for v in vals])
+
+
+def byte_log_ticks(ax, lo: float, hi: float, axis: str = "y", most: int = 6) -> None:
+    """A log axis of bytes with ticks at powers of two from ``lo`` to ``hi``, at most ``most`` of them
+    (every 2nd, 4th ... power when the range is wide), labelled ``64.0 KiB``, ``1.0 MiB``: readable
+    where matplotlib's own labels would read 10^5 or overlap.
+
+    >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+    >>> fig, ax = plt.subplots(); ax.set_yscale("log"); byte_log_ticks(ax, 3000, 2**20)
+    >>> [t.get_text() for t in ax.get_yticklabels()]
+    ['2.0 KiB', '8.0 KiB', '32.0 KiB', '128.0 KiB', '512.0 KiB', '1.0 MiB']
+    """
+    import math
+
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    from .memory import fmt_bytes
+
+    e0, e1 = math.floor(math.log2(max(lo, 1))), math.ceil(math.log2(max(hi, 1)))
+    stride = max(1, math.ceil((e1 - e0 + 1) / most))
+    exps = list(range(e0, e1 + 1, stride))
+    if exps[-1] < e1 and len(exps) < most:
+        exps.append(e1)
+    ticks = [2.0 ** e for e in exps]
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    a.set_minor_locator(NullLocator())
+    a.set_minor_formatter(NullFormatter())
+    (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks, [fmt_bytes(t) for t in ticks])
+
+
+HOST_RAM_NOTE = ("host RAM (right axis): resident memory of this whole process\n"
+                 "(Python, libraries, data loading; on a CPU run also the model)")
+
+
 def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USABLE_BYTES, title: str = "") -> None:
     """Device memory over time: the within-phase peak (and CUDA's reserved), phases shaded and named
-    in the legend, the budget when on scale, host RAM (RSS) on a second axis in its own units."""
-    samples = [s for s in samples if s.get("phase") != "setup"] or list(samples)
-    xs, xlabel = _x(samples)
-    _phase_bands(ax, samples, xs)
+    in the legend, the budget when on scale, host RAM (RSS) on a second axis in its own units with
+    room above it. Each value holds over the phase that ended at its sample (a step line drawn from the
+    start of the first phase, so the first forward is drawn too)."""
+    samples = _in_steps(samples) or list(samples)
+    xs, width, xlabel = _x(samples)
+    _phase_bands(ax, samples, xs, width)
     alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in samples]
     reserved = [s.get("reserved") or 0 for s in samples]
     top = max(alloc + reserved + [1])
     unit, size = byte_unit(top)
-    ax.step(xs, [a / size for a in alloc], where="pre", color="#c44e52", lw=1.8, label="allocated (peak in phase)")
+    x0 = [xs[0] - width] + xs  # the leading point: the first phase's interval starts one slot earlier
+    ax.step(x0, [alloc[0] / size] + [a / size for a in alloc], where="pre", color="#c44e52", lw=1.8,
+            label="allocated (peak in phase)")
     if any(reserved):
-        ax.step(xs, [r / size for r in reserved], where="pre", color="#4c72b0", lw=1.2, label="reserved (CUDA cache)")
+        ax.step(x0, [reserved[0] / size] + [r / size for r in reserved], where="pre", color="#4c72b0", lw=1.2,
+                label="reserved (CUDA cache)")
     _budget(ax, budget_bytes, top, size)
-    ax.set_ylim(bottom=0)
+    drawn_budget = bool(budget_bytes) and budget_bytes <= 4 * top
+    ax.set_ylim(0, 1.15 * max(top, budget_bytes if drawn_budget else 0) / size)
+    ax.set_xlim(x0[0], xs[-1])
+    integer_ticks(ax)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_title(title or "device memory by phase", fontsize=9)
@@ -134,36 +213,52 @@ def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USA
     if any(rss):
         hunit, hsize = byte_unit(max(rss))
         ax2 = ax.twinx()
-        ax2.plot(xs, [r / hsize for r in rss], color="#8172b2", lw=1.6, label="host RAM (process RSS)")
-        ax2.set_ylabel(f"host RAM ({hunit})", color="#8172b2")
-        ax2.set_ylim(bottom=0)
+        ax2.step(x0, [rss[0] / hsize] + [r / hsize for r in rss], where="pre", color="#8172b2", lw=1.6, label=HOST_RAM_NOTE)
+        ax2.set_ylabel(f"host RAM, process RSS ({hunit})", color="#8172b2")
+        ax2.set_ylim(0, 1.25 * max(rss) / hsize)  # headroom: the line is not clipped by the frame
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12 if any(rss) else 1.01, 1.0), fontsize=7)
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.2 if any(rss) else 1.01, 1.0), fontsize=7)
 
 
 def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None, title: str = "") -> None:
     """Memory over time by category as stacked areas (parameters flat, activations rising in forward
     and falling in backward, gradients appearing, optimizer state from the first step), phases shaded.
     Samples are taken at phase boundaries, so each area steps from one boundary to the next."""
-    rows = [s for s in samples if s.get("categories") and s.get("phase") != "setup"]
+    rows = [s for s in _in_steps(samples) if s.get("categories")]
     if not rows:
         raise ValueError("no per-category samples: track with categories=True (the default)")
-    xs, xlabel = _x(rows)
-    _phase_bands(ax, rows, xs)
+    xs, width, xlabel = _x(rows)
+    _phase_bands(ax, rows, xs, width)
     top = max(sum(s["categories"].values()) for s in rows) or 1
     unit, size = byte_unit(top)
-    # each boundary's value holds over the phase that ended there (step="pre"); start from zero
-    xs = [xs[0] - 1 / max(1, sum(1 for s in rows if s.get("step", 0) == rows[0].get("step", 0)))] + xs
-    ys = [[0.0] + [s["categories"][c] / size for s in rows] for c in CATEGORIES]
+    # each boundary's value holds over the phase that ended there (step="pre"), from one slot earlier
+    xs = [xs[0] - width] + xs
+    ys = [[s["categories"][c] / size for s in rows[:1] + rows] for c in CATEGORIES]
     ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=list(CATEGORIES), step="pre",
                  alpha=0.9, zorder=2)
     _budget(ax, budget_bytes, top, size)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.1 * top / size)
+    ax.set_xlim(xs[0], xs[-1])
+    integer_ticks(ax)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title or "memory by category over time", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+
+
+def plot_timeline(samples: Sequence[dict], budget_bytes: int | None = None, title: str = "", categories: bool = True):
+    """A tracker's timeline (``tracker.timeline``, or the samples a live plot collected) as one figure:
+    device memory by phase (:func:`draw_timeline`) and, when the samples carry categories, the stacked
+    categories beside it (:func:`draw_categories`). Returns the figure, for :func:`show`."""
+    plt = _plt()
+    two = categories and any(s.get("categories") for s in _in_steps(samples))
+    fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
+    draw_timeline(axes[0][0], samples, budget_bytes, title)
+    if two:
+        draw_categories(axes[0][1], samples, None, "by category" + (f" — {title}" if title else ""))
+    fig.tight_layout()
+    return fig
 
 
 class LivePlot:
@@ -171,6 +266,10 @@ class LivePlot:
     (or ``on_sample=lp.update`` to a tracker). ``save(path)`` writes a PNG (works headless).
     With ``categories=True`` a second panel stacks the categories over time; ``widget=True`` redraws
     inside its own ``ipywidgets.Output`` (for a plot shown inside another widget, e.g. a picker).
+
+    Redraws are throttled so drawing never dominates the run it watches: at most one per ``every_s``
+    seconds and at most one per four times the last draw's duration (a busy shared CPU draws slowly);
+    ``close()`` draws only when samples arrived since the last draw, so no picture is shown twice.
     """
 
     def __init__(self, budget_bytes: int | None = T4_USABLE_BYTES, every_s: float = 0.5, title: str = "",
@@ -185,27 +284,23 @@ class LivePlot:
         # inside another widget's Output (a picker's): a display handle's update does not reach in there.
         self.widget = widget
         self._handle = None
-        self._last = 0.0
+        self._last = 0.0        # when the last draw ended (perf_counter)
+        self._cost = 0.0        # how long the last draw took, s
+        self._drawn = 0         # samples in the last picture drawn
 
     def update(self, sample: dict) -> None:
         self.samples.append(sample)
-        if self._display and time.perf_counter() - self._last >= self.every_s:
+        if self._display and time.perf_counter() - self._last >= max(self.every_s, 4 * self._cost):
             self.redraw()
 
     def figure(self):
-        plt = _plt()
-        two = self.categories and any(s.get("categories") and s.get("phase") != "setup" for s in self.samples)
-        fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
-        draw_timeline(axes[0][0], self.samples, self.budget_bytes, self.title)
-        if two:
-            draw_categories(axes[0][1], self.samples, None, "by category" + (f" — {self.title}" if self.title else ""))
-        fig.tight_layout()
-        return fig
+        return plot_timeline(self.samples, self.budget_bytes, self.title, self.categories)
 
     def redraw(self) -> None:
         """Draw the current samples into the notebook's display handle (created on first call)."""
-        self._last = time.perf_counter()
+        start = time.perf_counter()
         if not self._display or not self.samples:
+            self._last = start
             return
         from IPython.display import display
 
@@ -226,10 +321,14 @@ class LivePlot:
         else:
             self._handle.update(fig)
         _plt().close(fig)
+        self._drawn = len(self.samples)
+        self._last = time.perf_counter()
+        self._cost = self._last - start
 
     def close(self) -> None:
-        """Final redraw with every sample."""
-        self.redraw()
+        """Final redraw with every sample (none when the last picture already had them all)."""
+        if len(self.samples) != self._drawn:
+            self.redraw()
 
     def save(self, path: str) -> str:
         fig = self.figure()
@@ -277,6 +376,157 @@ def plot_breakdown(records: Sequence[dict[str, Any]], budget_bytes: int | None =
     return fig
 
 
+# ----- charts and tables a notebook cell calls in one line ----------------------------------------
+LINE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c")
+LINE_STYLES = ("-", "--", "-.", ":")
+LINE_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def plot_lines(series: Mapping[str, Any], xlabel: str, ylabel: str, title: str, unit: str | None = None,
+               log: str = "", styles: Mapping[str, dict] | None = None, integer_x: bool = True,
+               figsize: tuple[float, float] = (6.4, 3.3)):
+    """Curves that stay distinguishable where they lie on top of each other: each series gets its own
+    colour, dash and marker, and later ones are drawn thinner over earlier ones (equal loss curves
+    show as a thick line with a thin dashed one inside it).
+
+    ``series`` maps a label to ``ys`` (x = 1, 2, ...: optimizer steps) or ``(xs, ys)``. ``unit="bytes"``
+    scales y to one unit (B/KiB/MiB/GiB) named in the y label; otherwise put the unit in ``ylabel``.
+    ``log`` is ``"x"``, ``"y"`` or ``"xy"``: a log x axis is ticked at the measured x values, a log
+    byte axis at powers of two (:func:`value_ticks`, :func:`byte_log_ticks`). Counting x axes (steps,
+    K) get whole-number ticks. ``styles`` overrides matplotlib keywords per label (e.g. a theory line
+    ``{"color": "k", "ls": "--", "marker": ""}``). Returns the figure, for :func:`show`.
+
+    >>> fig = plot_lines({"fp32": [3.0, 2.5], "fp16": [3.0, 2.6]}, "optimizer step", "loss (nats)", "loss")
+    >>> audit(fig), [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    ([], ['fp32', 'fp16'])
+    """
+    plt = _plt()
+    pts = {k: (v if isinstance(v, tuple) else (list(range(1, len(v) + 1)), v)) for k, v in series.items()}
+    fig, ax = plt.subplots(figsize=figsize)
+    ys_all = [y for _, ys in pts.values() for y in ys if y is not None]
+    size = 1
+    if unit == "bytes" and "y" in log:       # ticks carry the units (byte_log_ticks): values stay in bytes
+        ylabel = f"{ylabel} (bytes, log scale)"
+    elif unit == "bytes":
+        name, size = byte_unit(max(ys_all + [1]))
+        ylabel = f"{ylabel} ({name})"
+    n = len(pts)
+    for i, (label, (xs, ys)) in enumerate(pts.items()):
+        kw = dict(color=LINE_COLORS[i % len(LINE_COLORS)], ls=LINE_STYLES[i % len(LINE_STYLES)],
+                  marker=LINE_MARKERS[i % len(LINE_MARKERS)], ms=5 - 3 * i / max(1, n), lw=2.8 - 1.6 * i / max(1, n - 1 or 1),
+                  markevery=max(1, len(xs) // 12), label=label, zorder=2 + i)
+        kw.update((styles or {}).get(label, {}))
+        ax.plot(xs, [None if y is None else y / size for y in ys], **kw)
+    xs_all = sorted({x for xs, _ in pts.values() for x in xs})
+    if "x" in log:
+        ax.set_xscale("log", base=2)
+        if len(xs_all) <= 12:
+            value_ticks(ax, xs_all, "x")
+    elif integer_x and all(float(x).is_integer() for x in xs_all):
+        integer_ticks(ax)
+    if "y" in log:
+        ax.set_yscale("log", base=2)
+        if unit == "bytes":
+            byte_log_ticks(ax, min(y for y in ys_all if y > 0), max(ys_all))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_timings(timings: Mapping[str, Any], title: str, what: str = "step time"):
+    """Median time per call of each candidate (bars) with the fastest and slowest repeat (whiskers), from
+    :func:`colabkit.interleaved` / :func:`colabkit.step_times`; the clock and device are in the title.
+
+    >>> from colabkit.timing import Timing
+    >>> fig = plot_timings({"a": Timing(0.01, 0.009, 0.012, [0.01] * 3)}, "step time")
+    >>> audit(fig)
+    []
+    """
+    plt = _plt()
+    names = list(timings)
+    meds = [timings[k].median for k in names]
+    scale, unit = (1e3, "ms") if max(meds) < 1 else (1.0, "s")
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2.5), 3.2))
+    lo = [(timings[k].median - timings[k].low) * scale for k in names]
+    hi = [(timings[k].high - timings[k].median) * scale for k in names]
+    ax.bar(range(len(names)), [m * scale for m in meds], width=0.6, color="#4c72b0",
+           label=f"median of {timings[names[0]].repeats} repeats")
+    ax.errorbar(range(len(names)), [m * scale for m in meds], yerr=[lo, hi], fmt="none", ecolor="k", capsize=4,
+                label="fastest .. slowest repeat")
+    ax.set_xticks(range(len(names)), names, rotation=15, ha="right", fontsize=8)
+    ax.set_xlabel("plan")
+    ax.set_ylabel(f"{what} ({unit})")
+    t0 = timings[names[0]]
+    ax.set_title(f"{title} — untracked, {t0.clock}, on {t0.device}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] | None = None) -> str:
+    """The measured records as a Markdown table: peak, peak ÷ the first record's (the baseline), each
+    category's own peak, the peak's phase and the loss; with ``timings`` (untracked, interleaved: see
+    :func:`colabkit.step_times`) a step-time column. Tracked step times are left out on purpose: they
+    include the tracker's per-op overhead and say nothing about speed.
+
+    >>> rec = {"plan": "baseline", "ok": True, "peak_bytes": 2048, "peak_phase": "backward", "loss": 2.5,
+    ...        "breakdown": {c: 512 for c in CATEGORIES}}
+    >>> print(results_table([rec]).splitlines()[2])
+    | baseline | 2.0 KiB | 1.00 | 512 B | 512 B | 512 B | 512 B | 512 B | backward | 2.5000 |
+    """
+    from .memory import fmt_bytes
+
+    base = next((r for r in records if r.get("ok")), None)
+    head = ["plan", "peak", "÷ " + (base["plan"] if base else "first")] + list(CATEGORIES) + ["peak in", "loss"]
+    if timings:
+        t0 = next(iter(timings.values()))
+        head.append(f"step time ({t0.device}, untracked)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        if not r.get("ok"):
+            lines.append(f"| {r['plan']} | refused/failed: {r.get('error')} |" + " |" * (len(head) - 2))
+            continue
+        row = [r["plan"], fmt_bytes(r["peak_bytes"]), f"{r['peak_bytes'] / base['peak_bytes']:.2f}"]
+        row += [fmt_bytes(r["breakdown"][c]) for c in CATEGORIES] + [r.get("peak_phase") or "-", f"{r['loss']:.4f}"]
+        if timings:
+            t = timings.get(r["plan"])
+            row.append(f"{t.median * 1e3:.1f} ms ({t.low * 1e3:.1f}–{t.high * 1e3:.1f})" if t else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(samples: Sequence[dict[str, Any]]) -> str:
+    """A tracker's timeline as a Markdown table, one row per phase of each step: the phase's peak and
+    each category alive as it ended (setup and end samples left out).
+
+    >>> s = {"step": 0, "phase": "forward", "phase_peak": 4096, "categories": {c: 1024 for c in CATEGORIES}}
+    >>> print(phase_table([s]).splitlines()[2])
+    | 0 | forward | 4.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB | 1.0 KiB |
+    """
+    from .memory import fmt_bytes
+
+    lines = ["| step | phase | phase peak | " + " | ".join(CATEGORIES) + " |", "|" + "---|" * (3 + len(CATEGORIES))]
+    for s in _in_steps(samples):
+        cats = s.get("categories") or {}
+        lines.append(f"| {s.get('step', 0)} | {s['phase']} | {fmt_bytes(s.get('phase_peak'))} | "
+                     + " | ".join(fmt_bytes(cats.get(c)) for c in CATEGORIES) + " |")
+    return "\n".join(lines)
+
+
+def show_markdown(text: str) -> None:
+    """Display Markdown in a notebook (a results table, a takeaway built from measured values); print it
+    elsewhere."""
+    if _in_notebook():
+        from IPython.display import Markdown, display
+
+        display(Markdown(text))
+    else:
+        print(text)
+
+
 # ----- the readability check every notebook figure passes -------------------------------------
 _UNIT_WORDS = ("(B)", "(KiB)", "(MiB)", "(GiB)", "(s)", "(%)", "(x)", "(ms)", "(bytes", "(tokens", "(steps", "(count",
                "(loss", "(sequence", "(N)", "(rank", "(relative")
@@ -284,17 +534,21 @@ _UNIT_WORDS = ("(B)", "(KiB)", "(MiB)", "(GiB)", "(s)", "(%)", "(x)", "(ms)", "(
 
 def _colors_used(ax) -> set[str]:
     """Colours of the data artists of an axes (lines with data, bars, areas, scatter points)."""
+    from matplotlib.collections import LineCollection
     from matplotlib.colors import to_hex
 
     used: set[str] = set()
     for line in ax.get_lines():
         if len(line.get_xdata()):  # empty lines exist only to carry a legend entry
-            used.add(to_hex(line.get_color()))
+            # a markers-only line (error-bar caps) shows its marker colour, not its line colour
+            markers_only = line.get_linestyle() in ("None", "", " ")
+            used.add(to_hex(line.get_markeredgecolor() if markers_only else line.get_color()))
     for patch in ax.patches:
         if patch.get_visible():
             used.add(to_hex(patch.get_facecolor()))
     for coll in ax.collections:
-        fc = coll.get_facecolor()
+        # lines (error bars, vlines) are drawn in their edge colour; areas and markers in their face colour
+        fc = coll.get_edgecolor() if isinstance(coll, LineCollection) else coll.get_facecolor()
         if len(fc):
             used.add(to_hex(fc[0]))
     return used
@@ -310,7 +564,7 @@ def _legend_colors(ax) -> set[str]:
     for h in leg.legend_handles:
         for getter in ("get_color", "get_facecolor"):
             c = getattr(h, getter, lambda: None)()
-            if c is None or isinstance(c, str) and c == "none":
+            if c is None or isinstance(c, str) and c == "none" or not isinstance(c, str) and len(c) == 0:
                 continue
             if not isinstance(c, str) and len(c) and hasattr(c[0], "__len__"):  # an array of RGBA rows
                 c = c[0]
@@ -351,9 +605,12 @@ def audit(fig) -> list[str]:
     return problems
 
 
-def show(fig=None):
+def show(fig=None) -> None:
     """Check ``fig`` with :func:`audit` (an AssertionError names what a reader could not read), then
-    display it: how every notebook shows a chart."""
+    display it once: how every notebook shows a chart.
+
+    Returns None on purpose: a cell ending in ``show(fig)`` would otherwise display the returned figure a
+    second time (IPython shows a cell's last value); keep your own reference to ``fig`` to inspect it."""
     plt = _plt()
     fig = fig if fig is not None else plt.gcf()
     problems = audit(fig)
@@ -363,4 +620,3 @@ def show(fig=None):
 
         display(fig)
         plt.close(fig)
-    return fig

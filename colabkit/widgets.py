@@ -6,24 +6,48 @@ notebook also calls once with the default choice, so CI runs the same code path.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .plan import Context, available_tokens, compatible
+from .env import GPU_PROFILES, t4_rules
+from .estimate import check_as_gpu
+from .plan import Context, Plan, PlanError, available_tokens, compatible
 
 
 def plan_from_choices(tokens: Sequence[str]) -> str:
     """Join chosen tokens into a plan string ('baseline' when none)."""
-    return "+".join(tokens) or "baseline"
+    return "+".join(t for t in tokens if t != "baseline") or "baseline"
 
 
-def disabled_tokens(chosen: Sequence[str], ctx: Context | None = None) -> dict[str, str]:
-    """Tokens that cannot be added to the current choice, with the reason (shown as a tooltip)."""
+def plan_reason(plan: str, token: str, ctx: Context | None = None, gpu: str | None = None) -> str | None:
+    """Why ``token`` cannot join ``plan`` (None when it can): colabkit's own plan check, either in
+    ``ctx`` (the device this notebook runs on) or, with ``gpu="t4"``, as it would run on that GPU
+    profile: the check the estimator makes before it predicts for a T4 (no bf16, no flash attention).
+
+    >>> plan_reason("baseline", "bf16", gpu="t4") is not None, plan_reason("baseline", "fp16", gpu="t4")
+    (True, None)
+    """
+    if gpu is None:
+        return compatible(plan, token, ctx)
+    if gpu.lower() not in GPU_PROFILES:
+        raise ValueError(f"unknown GPU profile {gpu!r}: use one of {', '.join(GPU_PROFILES)}")
+    try:
+        p = Plan.parse(plan).with_tokens(token) if token != "baseline" else Plan.parse(plan)
+        with t4_rules(not GPU_PROFILES[gpu.lower()]["native_bf16"]):
+            check_as_gpu(p)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def disabled_tokens(chosen: Sequence[str], ctx: Context | None = None, gpu: str | None = None) -> dict[str, str]:
+    """Tokens that cannot be added to the current choice, with the reason (shown as a tooltip);
+    ``gpu="t4"`` checks as on a T4 (see :func:`plan_reason`)."""
     plan = plan_from_choices(chosen)
     out = {}
     for tok, _ in available_tokens():
         if tok in chosen:
             continue
-        reason = compatible(plan, tok, ctx)
+        reason = plan_reason(plan, tok, ctx, gpu)
         if reason:
             out[tok] = reason
     return out
@@ -43,9 +67,11 @@ def reasons_html(off: dict[str, str]) -> str:
             else "<i>every technique can be added</i>")
 
 
-def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclude: Sequence[str] = ("adamw",)):
+def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclude: Sequence[str] = ("adamw",),
+                gpu: str | None = None):
     """A checkbox per registered token (conflicting ones disabled, each reason listed below them) and a
-    Run button that calls ``on_run(plan_string)`` and shows what it returns/prints below."""
+    Run button that calls ``on_run(plan_string)`` and shows what it returns/prints below. ``ctx`` is
+    the device the run happens on; ``gpu="t4"`` disables what a T4 would refuse instead."""
     import ipywidgets as W
     from IPython.display import display
 
@@ -60,7 +86,7 @@ def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclud
         return [t for t, b in boxes.items() if b.value]
 
     def refresh(_=None) -> None:
-        off = disabled_tokens(chosen(), ctx)
+        off = disabled_tokens(chosen(), ctx, gpu)
         for tok, box in boxes.items():
             box.disabled = tok in off
             box.tooltip = off.get(tok, box.tooltip)
@@ -80,5 +106,119 @@ def plan_picker(on_run: Callable[[str], Any], ctx: Context | None = None, exclud
     ui = W.VBox([W.HTML("<b>Pick techniques</b> (greyed out: conflicts with your choice or this device)"),
                  W.GridBox(list(boxes.values()), layout=W.Layout(grid_template_columns="repeat(4, 200px)")),
                  why, button, out])
+    display(ui)
+    return ui
+
+
+class OptionPicker:
+    """One row of toggle buttons per group, one choice per group, and a Run button that calls
+    ``on_run(**choice)``. Options that are plan tokens are checked together with the other groups'
+    choices by colabkit's own plan check (:func:`plan_reason`, in ``ctx`` or as on ``gpu``): a choice
+    that would be refused is disabled, its reason written under the buttons (checkbox tooltips do not
+    show in JupyterLab 4). ``"baseline"`` means no token from that group; non-string options (a
+    sequence length) are passed through unchecked. ``choice`` is the current choice: a notebook calls
+    ``on_run(**picker.choice)`` once itself, so CI runs what the button runs.
+
+    >>> p = OptionPicker({"precision": ["baseline", "fp16", "bf16"]}, lambda precision: precision, gpu="t4")
+    >>> p.choice, sorted(p.reasons)
+    ({'precision': 'baseline'}, ['bf16'])
+    """
+
+    def __init__(self, groups: Mapping[str, Sequence[Any]], on_run: Callable[..., Any], ctx: Context | None = None,
+                 gpu: str | None = None, default: Mapping[str, Any] | None = None, title: str = "Pick a strategy"):
+        self.groups = {g: list(opts) for g, opts in groups.items()}
+        self.on_run, self.ctx, self.gpu, self.title = on_run, ctx, gpu, title
+        self.choice = {g: (default or {}).get(g, opts[0]) for g, opts in self.groups.items()}
+        self.reasons: dict[Any, str] = {}
+        self.ui = None
+        self.refresh()
+
+    def _reason(self, group: str, option: Any) -> str | None:
+        if not isinstance(option, str) or option == "baseline":
+            return None
+        others = [v for g, v in self.choice.items() if g != group and isinstance(v, str)]
+        return plan_reason(plan_from_choices(others), option, self.ctx, self.gpu)
+
+    def refresh(self) -> None:
+        """Recheck every option against the other groups' choices; a chosen option that became refused
+        falls back to the first allowed one of its group."""
+        self.reasons = {}
+        for g, opts in self.groups.items():
+            for o in opts:
+                why = self._reason(g, o)
+                if why:
+                    self.reasons[o] = why
+            if self.choice[g] in self.reasons:
+                self.choice[g] = next(o for o in opts if o not in self.reasons)
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.ui is None:
+            return
+        for g, buttons in self._buttons.items():
+            for o, b in buttons.items():
+                b.value, b.disabled = self.choice[g] == o, o in self.reasons
+                b.tooltip = self.reasons.get(o, str(o))
+        self._why.value = reasons_html({str(o): r for o, r in self.reasons.items()})
+
+    def display(self):
+        """Show the buttons, the reasons and the Run button with its output area; returns the widget."""
+        import ipywidgets as W
+        from IPython.display import display
+
+        self._buttons = {g: {o: W.ToggleButton(description=str(o), layout=W.Layout(width="auto")) for o in opts}
+                         for g, opts in self.groups.items()}
+        for g, buttons in self._buttons.items():
+            for o, b in buttons.items():
+                b.observe(lambda ch, g=g, o=o: self._pick(g, o) if ch["new"] else None, names="value")
+        self._why, out = W.HTML(), W.Output()
+        run = W.Button(description="Run", button_style="primary")
+
+        def on_click(_):
+            with out:
+                out.clear_output(wait=True)
+                self.on_run(**self.choice)
+
+        run.on_click(on_click)
+        rows = [W.HBox([W.Label(g, layout=W.Layout(width="90px"))] + list(b.values())) for g, b in self._buttons.items()]
+        self.ui = W.VBox([W.HTML(f"<b>{self.title}</b> (greyed out: refused by the plan check)")] + rows
+                         + [self._why, run, out])
+        self._sync()
+        display(self.ui)
+        return self.ui
+
+    def _pick(self, group: str, option: Any) -> None:
+        if self.choice[group] != option:
+            self.choice[group] = option
+            self.refresh()
+
+
+def explore(fn: Callable[..., Any], controls: Mapping[str, Any]):
+    """Show ``controls`` (ipywidgets with a ``value``, by keyword) above an output area; whenever one
+    changes, ``fn(**values)`` runs again into that area. The notebook calls ``fn`` once itself with the
+    default values, which is what CI executes. Returns the widget.
+
+    >>> import ipywidgets as W
+    >>> calls = []; ui = explore(lambda k: calls.append(k), {"k": W.IntSlider(value=2)})
+    VBox(children=(IntSlider(value=2), Output()))
+    >>> import contextlib, io
+    >>> with contextlib.redirect_stdout(io.StringIO()):  # (outside a notebook clear_output prints escapes)
+    ...     ui.children[0].value = 3
+    >>> calls
+    [3]
+    """
+    import ipywidgets as W
+    from IPython.display import display
+
+    out = W.Output()
+
+    def on_change(_=None):
+        with out:
+            out.clear_output(wait=True)
+            fn(**{k: c.value for k, c in controls.items()})
+
+    for c in controls.values():
+        c.observe(on_change, names="value")
+    ui = W.VBox(list(controls.values()) + [out])
     display(ui)
     return ui

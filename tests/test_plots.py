@@ -1,13 +1,18 @@
 """The plotting vocabulary: bars that sum to the measured peak, units that scale, phases and colours
-named, and the readability audit catching what a learner could not read (negative controls)."""
+named, the timeline drawn from the first phase with even slots and room for the host line, charts shown
+once, whole-number ticks on counting axes, readable log ticks, the readability audit catching what a
+learner could not read (negative controls); and the widgets' choices checked by colabkit's own plan check."""
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import colabkit  # noqa: E402
-from colabkit.plots import CATEGORY_COLORS, LivePlot, audit, byte_unit, draw_categories, plot_breakdown, show  # noqa: E402
+from colabkit.plots import (CATEGORY_COLORS, LivePlot, audit, byte_unit, draw_categories, draw_timeline,  # noqa: E402
+                            plot_breakdown, plot_lines, plot_timings, results_table, show)
+from colabkit.widgets import OptionPicker, disabled_tokens, plan_reason  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,23 @@ def test_audit_catches_unreadable_figures():
     with pytest.raises(AssertionError, match="unreadable figure"):
         show(fig)
     ax.set_ylabel("memory (MiB)"); ax.set_title("t"); ax.lines[1].set_label("b"); ax.legend()
-    assert audit(fig) == [] and show(fig) is fig
+    assert audit(fig) == []
+    plt.close(fig)
+
+
+def test_show_returns_nothing_so_a_cell_ending_in_show_draws_once():
+    # IPython displays a cell's last value: a returned figure was drawn a second time (03, 04, 13)
+    fig = plot_lines({"a": [1, 2]}, "optimizer step", "loss (nats)", "t")
+    assert show(fig) is None
+    plt.close(fig)
+
+
+def test_audit_reads_error_bars_by_their_line_colour():
+    fig, ax = plt.subplots()
+    ax.bar([0], [1.0], color="#4c72b0", label="median")
+    ax.errorbar([0], [1.0], yerr=[[0.1], [0.2]], fmt="none", ecolor="red", capsize=3)
+    ax.set_xlabel("plan"); ax.set_ylabel("time (ms)"); ax.set_title("t"); ax.legend()
+    assert audit(fig) == ["axes 0: colours ['#ff0000'] are not in any legend"]   # the whiskers are unnamed
     plt.close(fig)
 
 
@@ -106,3 +127,165 @@ def test_side_by_side_predicts_the_real_size(records):
         assert r["predicted_bytes"] == est["peak_bytes"] > 100 * r["measured_bytes"]
     assert rows[1]["predicted_bytes"] < rows[0]["predicted_bytes"]   # checkpoint saves at the real size too
     assert "predictions" in colabkit.side_by_side_table(rows)
+
+
+# ----- the timeline renderer --------------------------------------------------------------------------
+def _sample(step, phase, peak, rss=100 * 2**20):
+    return {"step": step, "phase": phase, "phase_peak": peak, "allocated": peak, "reserved": None, "host_rss": rss}
+
+
+def _drawn_value(line, x):
+    """The value a step line shows at ``x`` (where="pre": a value holds from the previous point)."""
+    path = line.get_path().vertices if hasattr(line, "get_path") else None
+    xs, ys = path[:, 0], path[:, 1]
+    inside = [y for x0, x1, y in zip(xs, xs[1:], ys[1:]) if x0 < x <= x1 and x1 > x0]
+    return inside[0] if inside else None
+
+
+def test_timeline_draws_the_first_forward_phase():
+    # step 0's forward ends at 1/3: with where="pre" and no leading point nothing was drawn before it
+    samples = [_sample(0, "forward", 4 * 2**20), _sample(0, "backward", 3 * 2**20), _sample(0, "optimizer", 2 * 2**20)]
+    fig, ax = plt.subplots()
+    draw_timeline(ax, samples, None)
+    line = next(ln for ln in ax.get_lines() if ln.get_label().startswith("allocated"))
+    assert line.get_xdata()[0] == pytest.approx(0.0)
+    assert _drawn_value(line, 1 / 6) == pytest.approx(4.0)      # the forward's peak, in MiB, over (0, 1/3]
+    plt.close(fig)
+
+
+def test_an_unfinished_last_step_keeps_the_slots_of_the_others():
+    # a live plot mid-step: step 1 has only its forward; it sits at 1 + 1/3, not stretched to 2
+    samples = [_sample(0, p, 2**20) for p in ("forward", "backward", "optimizer")] + [_sample(1, "forward", 2**20)]
+    fig, ax = plt.subplots()
+    draw_timeline(ax, samples, None)
+    line = next(ln for ln in ax.get_lines() if ln.get_label().startswith("allocated"))
+    assert line.get_xdata()[-1] == pytest.approx(1 + 1 / 3)
+    spans = sorted(round(p.get_x() + p.get_width(), 6) for p in ax.patches)
+    assert spans == pytest.approx([1 / 3, 2 / 3, 1.0, 4 / 3], abs=1e-6)
+    plt.close(fig)
+    # the tracker's "end" sample (after the last step) takes no slot: three phases keep three slots
+    fig, ax = plt.subplots()
+    draw_timeline(ax, samples[:3] + [{**_sample(0, "end", 2**20)}], None)
+    assert sorted(round(p.get_x() + p.get_width(), 6) for p in ax.patches) == pytest.approx([1 / 3, 2 / 3, 1.0])
+    plt.close(fig)
+
+
+def test_host_ram_line_has_headroom_and_says_what_host_ram_is():
+    samples = [_sample(0, p, 2**20, rss=r * 2**20) for p, r in (("forward", 300), ("backward", 320), ("optimizer", 310))]
+    fig, ax = plt.subplots()
+    draw_timeline(ax, samples, None)
+    ax2 = next(a for a in fig.axes if a is not ax)
+    assert ax2.get_ylim()[1] >= 1.2 * 320                     # the line is not drawn on the frame
+    assert "RSS" in ax2.get_ylabel()
+    legend = " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    assert "resident memory of this whole process" in legend
+    assert audit(fig) == []
+    plt.close(fig)
+
+
+def test_counting_axes_have_whole_number_ticks(run):
+    lp, _ = run
+    fig = lp.figure()
+    fig.canvas.draw()
+    for ax in fig.axes[:1] + fig.axes[-1:]:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks   # no 0.5 steps
+    plt.close(fig)
+    fig = plot_lines({"K=1": [3.0, 2.9, 2.8], "K=4": [3.0, 2.9, 2.8]}, "optimizer step", "loss (nats)", "t")
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
+    plt.close(fig)
+
+
+def test_log_axes_are_ticked_at_the_measured_values_and_in_bytes():
+    fig = plot_lines({"math": ([128, 256, 512], [2**20, 4 * 2**20, 16 * 2**20]), "efficient": ([128, 256, 512], [2**18, 2**19, 2**20])},
+                     "sequence length (tokens)", "attention memory", "t", unit="bytes", log="xy")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512"]   # not 10^2
+    ylabels = [t.get_text() for t in ax.get_yticklabels()]
+    assert ylabels and all(lab.endswith(("KiB", "MiB")) for lab in ylabels) and len(ylabels) <= 6
+    assert max(ax.get_lines()[0].get_ydata()) == 16 * 2**20              # the data in bytes, like its ticks
+    lo, hi = ax.get_ylim()
+    assert lo <= 2**18 and hi >= 16 * 2**20 and all(lo <= t <= hi for t in ax.get_yticks())
+    assert audit(fig) == []
+    plt.close(fig)
+
+
+def test_equal_curves_stay_distinguishable():
+    fig = plot_lines({"adamw": [3.0, 2.0, 1.0], "adamw8bit": [3.0, 2.0, 1.0]}, "optimizer step", "loss (nats)", "t")
+    a, b = fig.axes[0].get_lines()
+    assert a.get_linestyle() != b.get_linestyle() and a.get_marker() != b.get_marker()
+    assert a.get_linewidth() > b.get_linewidth() and a.get_zorder() < b.get_zorder()   # the thin one on top
+    plt.close(fig)
+
+
+def test_live_plot_redraws_only_what_is_new_and_throttles_to_its_cost(monkeypatch):
+    import time as _time
+
+    lp = LivePlot(display=False, every_s=0.0)
+    lp._display = True
+    draws = []
+
+    def fake_redraw_figure():
+        draws.append(len(lp.samples))
+        _time.sleep(0.05)                                      # a slow draw on a busy machine
+        return plt.figure()
+
+    monkeypatch.setattr(lp, "figure", fake_redraw_figure)
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: type("H", (), {"update": lambda s, f: None})())
+    lp.update(_sample(0, "forward", 1))                       # draws
+    lp.update(_sample(0, "backward", 1))                      # within 4 x 0.05 s of the last draw: skipped
+    lp.close()                                                # something new: drawn
+    lp.close()                                                # nothing new: not drawn again
+    assert draws == [1, 2]
+
+
+def test_step_time_chart_and_results_table(records):
+    from colabkit.timing import Timing
+
+    timings = {"baseline": Timing(0.010, 0.009, 0.012, [0.01, 0.009, 0.012]),
+               "checkpoint": Timing(0.013, 0.012, 0.015, [0.013, 0.012, 0.015])}
+    fig = plot_timings(timings, "step time")
+    ax = fig.axes[0]
+    assert "(ms)" in ax.get_ylabel() and "untracked" in ax.get_title() and "cpu" in ax.get_title()
+    assert [round(p.get_height(), 6) for p in ax.patches] == [10.0, 13.0]
+    assert audit(fig) == []
+    plt.close(fig)
+    table = results_table(records, timings).splitlines()
+    base, ckpt = records
+    ratio = f"{ckpt['peak_bytes'] / base['peak_bytes']:.2f}"
+    assert table[3].split(" | ")[2] == ratio                  # the peak relative to the first record
+    assert "untracked" in table[0] and "13.0 ms" in table[3]
+    assert "step s" not in results_table(records)              # no tracked step time
+
+
+# ----- the widgets: choices checked by colabkit's own plan check --------------------------------------
+def test_plan_reason_checks_as_a_t4_from_a_cpu():
+    # the estimator's T4 check (no bf16, no flash attention) answered on a machine without a GPU
+    assert "fp16" in plan_reason("baseline", "bf16", gpu="t4")
+    assert "attention:efficient" in plan_reason("baseline", "attention:flash", gpu="t4")
+    assert plan_reason("baseline", "attention:efficient", gpu="t4") is None
+    assert "fp16" in plan_reason("fused-step", "fp16", gpu="t4")      # 09: ticking fused-step must grey out fp16
+    cpu = colabkit.Context(device=torch.device("cpu"))
+    assert plan_reason("baseline", "attention:efficient", cpu) is not None   # this device: only math forced
+    assert "fused-step" in disabled_tokens(["fp16"], gpu="t4")
+    with pytest.raises(ValueError, match="unknown GPU profile"):
+        plan_reason("baseline", "fp16", gpu="t5")
+
+
+def test_option_picker_disables_what_the_check_refuses_and_runs_the_choice():
+    runs = []
+    p = OptionPicker({"backend": ["attention:math", "attention:efficient", "attention:flash"], "seq": [128, 256]},
+                     lambda backend, seq: runs.append((backend, seq)), gpu="t4", default={"backend": "attention:flash"})
+    assert p.choice == {"backend": "attention:math", "seq": 128}   # flash refused on a T4: first allowed instead
+    assert set(p.reasons) == {"attention:flash"}
+    p.display()
+    buttons = {b.description: b for row in p.ui.children[1:3] for b in row.children[1:]}
+    assert buttons["attention:flash"].disabled and not buttons["attention:efficient"].disabled
+    assert "attention:flash" in p.ui.children[3].value                 # the reason is written out
+    buttons["attention:efficient"].value = True
+    buttons["256"].value = True
+    assert p.choice == {"backend": "attention:efficient", "seq": 256} and not buttons["attention:math"].value
+    p.ui.children[4].click()
+    assert runs == [("attention:efficient", 256)]

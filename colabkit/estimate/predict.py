@@ -10,15 +10,18 @@ the textbook formula beside it so you see where that is off.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import types
 from typing import Any, Callable
 
 import torch
 
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
-from ..models import gpt_config, hub_config
+from ..models import HUB_ALIASES, HUB_CONFIG_DIR, gpt_config, hub_config
 from ..plan import REGISTRY, Context, Plan
 from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_bytes
 from . import overheads as _overheads
@@ -138,10 +141,15 @@ def preset_vs_hub(name: str) -> str | None:
     """
     if name not in PRESET_HUB:
         return None
-    try:
-        hub = hub_config(PRESET_HUB[name])
-    except (ImportError, OSError):
-        return None
+    shipped = os.path.join(HUB_CONFIG_DIR, HUB_ALIASES.get(PRESET_HUB[name], PRESET_HUB[name]).replace("/", "__") + ".json")
+    try:  # the shipped config's three fields, read without importing transformers (seconds per process)
+        with open(shipped) as f:
+            hub = types.SimpleNamespace(**json.load(f))
+    except OSError:
+        try:
+            hub = hub_config(PRESET_HUB[name])
+        except (ImportError, OSError):
+            return None
     cfg = gpt_config(name)
     diffs = []
     hub_drop = max(hub.resid_pdrop, hub.embd_pdrop, hub.attn_pdrop)

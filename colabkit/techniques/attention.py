@@ -50,7 +50,7 @@ def refusal(backend: str, device: str | torch.device) -> str | None:
         return (f"attention:{backend}: on the CPU only attention:math can be forced (torch's own choice without "
                 "a token is already a fused, memory-efficient CPU kernel); on a T4 use attention:efficient")
     name = "a T4 (T4 emulation is on)" if emulating_t4() else torch.cuda.get_device_name(dev)
-    major, minor = torch.cuda.get_device_capability(dev)
+    major, minor = (7, 5) if emulating_t4() else torch.cuda.get_device_capability(dev)
     need = "sm80+ (Ampere: A100, L4, RTX 30xx)" if backend == "flash" else "sm50+"
     use = "attention:efficient" if "efficient" in have else "attention:math"
     linear = ", which also keeps attention memory linear in the sequence length" if "efficient" in have else ""
