@@ -63,8 +63,8 @@ def bench_table(result: dict) -> str:
 def _run_args(p: argparse.ArgumentParser, steps: int) -> None:
     """The arguments ``bench`` and ``train`` share (``--plan`` differs: several for bench, one for train)."""
     p.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, gpt2-124m, ...), gpt:LxD, llama:LxD or hf:<id>")
-    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the effective batch)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (at most the model's context)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the effective batch; default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence, at most the model's context (default %(default)s)")
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (same seed, same numbers)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: the GPU if there is one)")
@@ -118,7 +118,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest valid checkpoint in --checkpoint-dir when there is one, start fresh "
                         "otherwise (saying which); '--resume must' fails when there is none")
     p.add_argument("--no-track", action="store_true", help="no memory tracker (faster on the CPU; no OOM post-mortem)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest N)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept: the newest N (default %(default)s)")
     p.add_argument("--on-oom", default="stop", choices=["stop", "shrink"],
                    help="on out-of-memory: halve the micro-batch and retry (shrink), or checkpoint and stop")
     p.add_argument("--log", default=None, help="tensorboard, wandb and/or csv (comma-separated): memory per step")
