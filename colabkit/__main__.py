@@ -1,13 +1,21 @@
-"""The command line: ``python -m colabkit {env,bench,train,...} [--json PATH]``.
+"""The command line: ``colabkit {env,bench,train,...} [--json PATH]`` (or ``python -m colabkit ...``).
 
-Every subcommand prints a readable table, or JSON with ``--json PATH`` (``-`` for stdout). Other
-modules add subcommands with :func:`subcommand`.
+Every subcommand prints a readable table, or JSON with ``--json PATH`` (``-`` for stdout: then stdout
+holds the JSON only and colabkit's messages go to stderr). Other modules add subcommands with
+:func:`subcommand`. A user mistake ends in one line, ``error: ...``, and exit status 2; a run that
+did not succeed (a failed bench record, nothing that fits) exits 1.
+
+>>> build_parser().parse_args(["train", "--resume"]).resume
+'auto'
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+import warnings
 from typing import Any, Callable
 
 from .env import emulate_t4, env, format_env
@@ -47,27 +55,36 @@ def bench_table(result: dict) -> str:
         b = r["breakdown"]
         rows.append(f"{r['plan']:<34} {fmt_bytes(r['peak_bytes']):>10} " + " ".join(f"{fmt_bytes(b[c]):>11}" for c in CATEGORIES)
                     + f" {r['step_time_s']:>8.3f} {r['loss']:>8.4f}")
+    rows.append("peak: tracked device memory at its highest during the measured steps; each category: its own peak; "
+                "step s: seconds per optimizer step; loss: mean over the last step's batch")
     return "\n".join(rows)
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="preset, gpt:LxD, llama:LxD or hf:<id>")
-    p.add_argument("--plan", action="append", help="plan tokens joined by '+'; repeat for several plans")
-    p.add_argument("--batch", type=int, default=8, help="effective batch per optimizer step")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+def _run_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The arguments ``bench`` and ``train`` share (``--plan`` differs: several for bench, one for train)."""
+    p.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, gpt2-124m, ...), gpt:LxD, llama:LxD or hf:<id>")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the effective batch; default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence, at most the model's context (default %(default)s)")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (same seed, same numbers)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="where to run (default: the GPU if there is one)")
     p.add_argument("--t4", action="store_true", help="emulate a T4 on a bigger GPU (memory cap, no bf16/flash)")
     p.add_argument("--offload-sim", action="store_true",
                    help="on a CPU, simulate offload tokens (a distinct host side; host_bytes in the record)")
     p.add_argument("--world-size", type=int, default=1, help="ranks for sharded plans (zero:1|2|3): one process each")
 
 
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    _run_args(p, steps=2)
+    p.add_argument("--plan", action="append", help="plan tokens joined by '+' (default baseline); repeat for several plans")
+
+
 @subcommand("bench", "measure plans on a model: peak memory, breakdown, step time, loss", _bench_args, bench_table)
 def _bench(args: argparse.Namespace) -> dict:
-    from .train import measure
+    from .train import check_context, check_sizes, measure
 
+    check_sizes(args.batch, args.seq, args.steps)  # refused like train's, before any plan runs
+    check_context(args.model, args.seq)
     if args.t4:
         emulate_t4()
     if getattr(args, "world_size", 1) > 1:
@@ -88,27 +105,39 @@ def _env_cmd(args: argparse.Namespace) -> dict:
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    _bench_args(p)
-    p.set_defaults(steps=50)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --checkpoint-dir")
+    _run_args(p, steps=50)
+    p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint (default baseline)")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write crash-safe checkpoints here (every 10 min of wall time and at the end, unless "
+                        "--checkpoint-every / --checkpoint-minutes say otherwise)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="a checkpoint every K optimizer steps")
+    p.add_argument("--checkpoint-minutes", type=float, default=None, metavar="M",
+                   help="a checkpoint every M minutes of wall time (default 10 when --checkpoint-every is not given)")
+    p.add_argument("--resume", nargs="?", const="auto", default=False, choices=["auto", "must"],
+                   help="continue from the newest valid checkpoint in --checkpoint-dir when there is one, start fresh "
+                        "otherwise (saying which); '--resume must' fails when there is none")
     p.add_argument("--no-track", action="store_true", help="no memory tracker (faster on the CPU; no OOM post-mortem)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest N)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept: the newest N (default %(default)s)")
     p.add_argument("--on-oom", default="stop", choices=["stop", "shrink"],
                    help="on out-of-memory: halve the micro-batch and retry (shrink), or checkpoint and stop")
     p.add_argument("--log", default=None, help="tensorboard, wandb and/or csv (comma-separated): memory per step")
     p.add_argument("--log-dir", default=None, help="where --log writes (default runs/colabkit)")
 
 
-@subcommand("train", "a real training run with checkpoints and exact resume", _train_args,
-            lambda r: f"step {r['step']}  loss {r['loss']:.4f}  weights {r['weights_sha256'][:16]}")
+def _train_line(r: dict) -> str:
+    loss = "(not recorded)" if r.get("loss") is None else f"{r['loss']:.4f}"
+    head = "run complete, nothing to train: " if r.get("complete") else ""
+    return f"{head}step {r['step']}  loss {loss}  weights sha256 {(r.get('weights_sha256') or '-')[:16]}"
+
+
+@subcommand("train", "a real training run with checkpoints and exact resume", _train_args, _train_line)
 def _train(args: argparse.Namespace) -> dict:
-    from .train import train
+    from .train import check_sizes, train
 
     if args.plan and len(args.plan) > 1:
-        raise SystemExit("train takes one --plan")
+        raise ValueError(f"train takes one --plan (got {len(args.plan)}): join tokens with '+'; to compare plans use bench")
+    check_sizes(args.batch, args.seq, args.steps)
     if args.t4:
         emulate_t4()
     if args.world_size > 1:
@@ -117,39 +146,74 @@ def _train(args: argparse.Namespace) -> dict:
         return train_sharded(args.model, (args.plan or ["baseline"])[0], world_size=args.world_size, steps=args.steps,
                              batch=args.batch, seq=args.seq, seed=args.seed, device=args.device, lr=args.lr,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                             resume=args.resume)
+                             resume=bool(args.resume))
     out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every, resume=args.resume, progress=sys.stderr.isatty(),
-                keep=args.keep, on_oom=args.on_oom, track=not args.no_track,
-                log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim)
-    return {"step": out["step"], "loss": out["loss"], "weights_sha256": out["weights_sha256"], "losses": out["losses"],
-            "accum": out["accum"], "oom_shrinks": out["oom_shrinks"], "resumed_from": out["resumed_from"],
-            "simulated": out["simulated"]}
+                checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
+                resume=args.resume, progress=sys.stderr.isatty(), keep=args.keep, on_oom=args.on_oom,
+                track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim)
+    return {k: out[k] for k in ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks",
+                                "resumed_from", "simulated")}
 
 
-def main(argv: list[str] | None = None) -> int:
+LIBRARY_LOGGERS = ("transformers", "peft", "accelerate", "bitsandbytes", "torchao", "huggingface_hub", "torch")
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Other libraries' warnings and log lines stay out of the CLI's output (colabkit's own warnings are
+    shown); ``-W`` / ``PYTHONWARNINGS`` given by the user take precedence."""
+    if sys.warnoptions:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in LIBRARY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("default", module=r"colabkit(\.|$)")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every subcommand, those other modules register included."""
     from . import techniques  # noqa: F401  (registers plan tokens and subcommands)
     from .estimate.cli import register_cli; register_cli(subcommand)  # noqa: E702  (estimate, plan, largest)
     from .structured import register_cli as structured_cli; structured_cli(subcommand)  # noqa: E702  (structured)
 
-    parser = argparse.ArgumentParser(prog="python -m colabkit", description="GPU memory for training, measured.")
-    subs = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="colabkit", description="GPU memory for training, measured. "
+                                     "Every subcommand prints a table, or JSON with --json PATH ('-' for stdout).")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_args, _, _, help_) in _COMMANDS.items():
-        sp = subs.add_parser(name, help=help_)
+        sp = subs.add_parser(name, help=help_, description=help_)
         add_args(sp)
         sp.add_argument("--json", metavar="PATH", default=None, help="write JSON to PATH ('-' for stdout)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     _, run, printer, _ = _COMMANDS[args.command]
     from .plan import PlanError
+    from .train import check_device
 
+    # with --json - stdout carries the JSON only: progress and messages go to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext()
     try:
-        result = run(args)
-    except (PlanError, ValueError) as e:
+        with quiet, _quiet_libraries():
+            check_device(getattr(args, "device", None))
+            result = run(args)
+    except (PlanError, ValueError, ImportError, OSError) as e:  # a user mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     emit(result, args.json, printer)
-    if isinstance(result, dict) and any(not r.get("ok", True) for r in result.get("results", [])):
+    if isinstance(result, dict) and (result.get("ok") is False
+                                     or any(not r.get("ok", True) for r in result.get("results", []))):
         return 1
     return 0
 

@@ -11,6 +11,11 @@ The file is written as ``.ckpt-<step>.tmp`` in the same folder, flushed, fsynced
 fsynced; the last ``keep`` checkpoints stay. Loading validates the newest one (size, manifest, every
 checksum) and falls back to the previous one, saying which was skipped and why.
 
+The manifest holds data only (tensors, numbers, strings, bools, None, lists, tuples, dicts, dtypes, NumPy
+arrays and a few named library state objects, each encoded explicitly): a value of any other kind is
+refused when saving, naming where it sits in the state, and loading never un-pickles anything, so a
+checkpoint from someone else cannot run code. A manifest that asks for code is skipped like a damaged file.
+
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
 >>> p = write_checkpoint({"w": torch.arange(6.0).reshape(2, 3), "meta": {"step": 3, "betas": (0.9, 0.99)}}, d, 3)
@@ -22,12 +27,10 @@ checksum) and falls back to the previous one, saying which was skipped and why.
 """
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import mmap
 import os
-import pickle
 import random
 import re
 import struct
@@ -52,30 +55,71 @@ class CheckpointError(ValueError):
 
 
 # ----- the container: flatten nested state into tensors + a JSON skeleton ---------------------------
-def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A JSON-able skeleton of ``obj``; each tensor is replaced by {"__t__": index into ``tensors``}."""
+# The manifest holds data only: a closed set of value kinds, each with its own explicit encoding, so
+# reading a checkpoint parses bytes and never runs code from the file (no pickle anywhere on this path).
+# Library state objects colabkit writes (by qualified class name): rebuilt without calling __init__, their
+# attributes restored from data. GaLore's projector: rank, scale, gap, type and its matrix (a tensor).
+STATE_CLASSES = frozenset({"galore_torch.galore_projector.GaLoreProjector"})
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor], path: str = "state") -> Any:
+    """A JSON-able skeleton of ``obj``; each tensor is replaced by {"__t__": index into ``tensors``}.
+    A value of any other kind raises :class:`CheckpointError` naming its ``path`` and type."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {"__t__": len(tensors) - 1}
     if isinstance(obj, dict):  # keys may be ints (optimizer state) -> keep them as [key, value] pairs
-        return {"__d__": [[_flatten(k, tensors), _flatten(v, tensors)] for k, v in obj.items()]}
+        return {"__d__": [[_flatten(k, tensors, f"{path} key {k!r}"), _flatten(v, tensors, f"{path}[{k!r}]")]
+                          for k, v in obj.items()]}
     if isinstance(obj, list):
-        return [_flatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_flatten(v, tensors) for v in obj]}
+        return [_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):  # torch.Size too (read back as a tuple, which it equals)
+        return {"__tuple__": [_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
     if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
+        return obj if type(obj) in (bool, int, str, type(None)) else _flatten(_plain(obj), tensors, path)
     if isinstance(obj, float):
+        obj = float(obj)  # a NumPy float64 is a float: stored as the plain number
         return obj if obj == obj and abs(obj) != float("inf") else {"__float__": repr(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"__device__": str(obj)}
     try:
         import numpy as np
 
-        if isinstance(obj, np.ndarray):
-            return {"__np__": _flatten(torch.from_numpy(obj.copy()), tensors)}
+        if isinstance(obj, (np.ndarray, np.generic)):  # a NumPy scalar: a 0-d array, read back with [()]
+            arr = np.asarray(obj)
+            if arr.dtype.hasobject:
+                raise CheckpointError(f"cannot save {path}: a NumPy array of Python objects is not data; "
+                                      "store it as numbers, or keep it out of the saved state")
+            return {"__np__": _flatten(torch.from_numpy(arr.copy()), tensors, path), "scalar": arr is not obj}
     except ImportError:
         pass
-    # anything else (a dtype, a small object of a library's state): pickled, it is small
-    return {"__pickle__": base64.b64encode(pickle.dumps(obj)).decode()}
+    if _qualname(obj) in STATE_CLASSES:
+        return {"__obj__": _qualname(obj), "attrs": _flatten(dict(vars(obj)), tensors, path)}
+    raise CheckpointError(
+        f"cannot save {path}: a {_qualname(obj)} is not data. A checkpoint holds only tensors, numbers, strings, "
+        "bools, None, lists, tuples, dicts, dtypes and NumPy arrays (so loading one never runs code); give this "
+        "object a state_dict() of plain values, or keep it out of the saved state")
+
+
+def _plain(v: Any) -> Any:
+    """An int/str/bool subclass (an IntEnum, a str Enum) as the plain value it stands for."""
+    return bool(v) if isinstance(v, bool) else int(v) if isinstance(v, int) else str(v)
+
+
+_MARKERS = ("__t__", "__d__", "__tuple__", "__float__", "__dtype__", "__device__", "__np__", "__obj__")
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dt
 
 
 def _unflatten(sk: Any, tensors: list[torch.Tensor]) -> Any:
@@ -83,18 +127,38 @@ def _unflatten(sk: Any, tensors: list[torch.Tensor]) -> Any:
         return [_unflatten(v, tensors) for v in sk]
     if not isinstance(sk, dict):
         return sk
-    if "__t__" in sk:
-        return tensors[sk["__t__"]]
-    if "__d__" in sk:
+    kind = next((k for k in _MARKERS if k in sk), None)
+    if kind == "__t__":
+        return tensors[int(sk["__t__"])]
+    if kind == "__d__":
         return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in sk["__d__"]}
-    if "__tuple__" in sk:
+    if kind == "__tuple__":
         return tuple(_unflatten(v, tensors) for v in sk["__tuple__"])
-    if "__float__" in sk:
+    if kind == "__float__":
         return float(sk["__float__"])
-    if "__np__" in sk:
-        return _unflatten(sk["__np__"], tensors).numpy()
+    if kind == "__dtype__":
+        return _dtype(sk["__dtype__"])
+    if kind == "__device__":
+        return torch.device(str(sk["__device__"]))
+    if kind == "__np__":
+        arr = _unflatten(sk["__np__"], tensors).numpy()
+        return arr[()] if sk.get("scalar") else arr
+    if kind == "__obj__":
+        name = sk["__obj__"]
+        if name not in STATE_CLASSES:
+            raise CheckpointError(f"refused for safety: the manifest asks for an object of class {name!r}, which "
+                                  "colabkit never writes")
+        import importlib
+
+        module, _, cls_name = name.rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        obj = cls.__new__(cls)  # no __init__: the attributes below are the whole state, all data
+        obj.__dict__.update(_unflatten(sk["attrs"], tensors))
+        return obj
     if "__pickle__" in sk:
-        return pickle.loads(base64.b64decode(sk["__pickle__"]))
+        raise CheckpointError("refused for safety: the manifest holds a pickled Python object, which could run "
+                              "code when loaded; colabkit checkpoints hold data only, so this file was altered or "
+                              "written by another tool")
     raise CheckpointError(f"unknown entry in the manifest: {sorted(sk)}")
 
 
@@ -142,10 +206,10 @@ def remove_temp_files(directory: str) -> list[str]:
 def write_checkpoint(state: dict[str, Any], directory: str, step: int, keep: int = 3) -> str:
     """Stream ``state`` (nested dicts/lists of tensors and plain values) to ``directory/ckpt-<step>.ckpt``
     tensor by tensor, atomically; keep the newest ``keep`` checkpoints. Returns the path."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(state, tensors)  # first: a value that is not data is refused before any file exists
     os.makedirs(directory, exist_ok=True)
     remove_temp_files(directory)
-    tensors: list[torch.Tensor] = []
-    skeleton = _flatten(state, tensors)
     final = os.path.join(directory, f"ckpt-{step:08d}.ckpt")
     tmp = os.path.join(directory, f".ckpt-{step:08d}.tmp-{os.getpid()}")
     entries = []
@@ -207,7 +271,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
                     raw = torch.frombuffer(bytearray(view), dtype=torch.uint8) if e["nbytes"] else torch.empty(0, dtype=torch.uint8)
                 finally:
                     view.release()
-                tensors.append(raw.view(getattr(torch, e["dtype"])).reshape(e["shape"]))
+                tensors.append(raw.view(_dtype(e["dtype"])).reshape(e["shape"]))
     return _unflatten(man["state"], tensors)
 
 
@@ -218,7 +282,7 @@ def read_latest(directory: str) -> tuple[dict[str, Any] | None, str | None, list
     for _, path in reversed(list_checkpoints(directory)):
         try:
             state = read_checkpoint(path)
-        except (CheckpointError, OSError, ValueError, KeyError) as e:
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
             skipped.append((os.path.basename(path), why))
             warnings.warn(f"colabkit: skipped checkpoint {os.path.basename(path)}: {why}; trying the previous one",
@@ -292,20 +356,22 @@ def _version() -> str:
         return "unknown"
 
 
-def trainer_state(trainer: Any, run: dict[str, Any] | None = None) -> dict[str, Any]:
+def trainer_state(trainer: Any, run: dict[str, Any] | None = None, loss: float | None = None) -> dict[str, Any]:
     """Every piece of state for an exact resume; each optimizer's own ``state_dict`` (8-/4-bit,
-    offloaded, fused-step wrappers all provide one)."""
+    offloaded, fused-step wrappers all provide one). ``loss``: the last step's, reported when a finished
+    run is run again."""
     sched = getattr(trainer, "scheduler", None)
     return {"step": trainer.step_count, "accum": trainer.accum, "identity": identity(trainer, run),
             "versions": {"colabkit": _version(), "torch": torch.__version__},
             "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
             "scaler": trainer.scaler.state_dict(), "scheduler": sched.state_dict() if sched is not None else None,
-            "rng": rng_state(), "data": {"step": trainer.step_count, **(run or {})}}
+            "rng": rng_state(), "data": {"step": trainer.step_count, **(run or {})}, "loss": loss}
 
 
-def save_trainer(trainer: Any, directory: str, keep: int = 3, run: dict[str, Any] | None = None) -> str:
+def save_trainer(trainer: Any, directory: str, keep: int = 3, run: dict[str, Any] | None = None,
+                 loss: float | None = None) -> str:
     """Write the trainer's full state as ``directory/ckpt-<step>.ckpt`` (streamed, atomic, keep last ``keep``)."""
-    return write_checkpoint(trainer_state(trainer, run), directory, trainer.step_count, keep=keep)
+    return write_checkpoint(trainer_state(trainer, run, loss), directory, trainer.step_count, keep=keep)
 
 
 def require_folder(directory: str) -> None:
@@ -331,7 +397,7 @@ def load_trainer(trainer: Any, directory: str, run: dict[str, Any] | None = None
             raise CheckpointError(f"no valid checkpoint in {directory!r} ({why}): start without resume")
         return None
     check_compatible(state["identity"], identity(trainer, run))
-    trainer.model.load_state_dict(state["model"])
+    _load_model_state(trainer.model, state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.scaler.load_state_dict(state["scaler"])
     if state.get("scheduler") is not None and getattr(trainer, "scheduler", None) is not None:
@@ -339,5 +405,18 @@ def load_trainer(trainer: Any, directory: str, run: dict[str, Any] | None = None
     set_rng_state(state["rng"])
     trainer.step_count = state["step"]
     trainer.accum = state.get("accum", trainer.accum)  # runtime micro-batching (an OOM shrink) carries over
+    trainer.checkpoint_loss = state.get("loss")  # the loss at that step (None in checkpoints before it was kept)
     return path
+
+
+def _load_model_state(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """``load_state_dict``, plus the entries a module writes but does not read back: a 4-bit base's
+    quantization state (absmax, quant_map, ... of bitsandbytes' Params4bit, loaded with its packed weight).
+    Those must equal what the rebuilt model holds already, or the checkpoint is of another base."""
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    current = model.state_dict() if unexpected else {}
+    differ = [k for k in unexpected if k not in current or not torch.equal(current[k].cpu(), saved[k].cpu())]
+    if missing or differ:
+        raise CheckpointError(f"the checkpoint's model state does not match this model: missing {missing[:3]}, "
+                              f"unexpected or different {differ[:3]}; resume with the same model")
 

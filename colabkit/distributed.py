@@ -87,7 +87,7 @@ def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None)
     with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
         mp.start_processes(_entry, args=(world_size, free_port(), backend, out, fn, args), nprocs=world_size,
                            join=True, start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
 
 
 class RankData:
@@ -234,7 +234,7 @@ def load_sharded(trainer: Trainer, directory: str) -> bool:
     path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
     if not os.path.exists(path):
         return False
-    local = torch.load(path, weights_only=False)
+    local = torch.load(path, weights_only=True)
     if local["plan"] != str(trainer.plan) or local["world_size"] != dist.get_world_size():
         raise PlanError(f"checkpoint in {directory} was written by plan {local['plan']!r} on {local['world_size']} "
                         f"ranks; this run is {str(trainer.plan)!r} on {dist.get_world_size()}: resume with the same "
@@ -261,7 +261,7 @@ def consolidate(directory: str, out_path: str | None = None) -> dict[str, torch.
 
     out_path = out_path or os.path.join(directory, "consolidated.pt")
     dcp_to_torch_save(os.path.join(directory, "dcp"), out_path)
-    return torch.load(out_path, weights_only=False)["model"]
+    return torch.load(out_path, weights_only=True)["model"]
 
 
 def train_ranks(model: str, plan: str, steps: int, batch: int, seq: int, seed: int, device: str | None,

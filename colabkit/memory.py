@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import threading
 import time
 import warnings
@@ -677,8 +678,19 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _DataUnpickler(pickle.Unpickler):
+    """Reads a pickle of plain data only (dicts, lists, strings, numbers: what CUDA's allocator snapshot
+    holds); a file that asks to import anything -- the way a pickle runs code -- is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise ValueError(f"refused: this snapshot asks to load {module}.{name}; a memory snapshot holds plain data "
+                         "only, so the file was altered or is not a snapshot (loading it could run code)")
+
+
 def show_snapshot(path: str):
-    """Inline view of a snapshot: the CUDA allocator trace as HTML, or the top live storages as a table."""
+    """Inline view of a snapshot: the CUDA allocator trace as HTML, or the top live storages as a table.
+    A CUDA snapshot (a pickle) is read as plain data only: one that would import anything is refused, so
+    opening a snapshot someone shared never runs code."""
     if path.endswith(".json"):
         with open(path) as f:
             data = json.load(f)
@@ -686,12 +698,10 @@ def show_snapshot(path: str):
         for r in data["live"][:15]:
             lines.append(f"{fmt_bytes(r['bytes']):>12} {r['category']:<12} {r['phase']:<10} {r['op']}")
         return "\n".join(lines)
-    import pickle
-
     from torch.cuda import _memory_viz
 
     with open(path, "rb") as f:
-        snap = pickle.load(f)
+        snap = _DataUnpickler(f).load()
     html = _memory_viz.trace_plot(snap)
     try:
         from IPython.display import HTML

@@ -203,9 +203,58 @@ def shipped_hub_ids() -> list[str]:
     return sorted(f[:-5].replace("__", "/") for f in os.listdir(HUB_CONFIG_DIR) if f.endswith(".json"))
 
 
+class HubError(OSError, ValueError):
+    """An ``hf:<id>`` that cannot be resolved; the message says what to do. An OSError (what the hub
+    raises) and a ValueError (a user mistake: the CLI prints it in one line)."""
+
+
+HUB_TIMEOUT_S = 3.0  # how long the hub gets to answer before colabkit treats this machine as offline
+_HUB_STATUS: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """None when the Hugging Face hub answers within ``timeout`` seconds, else why not (HF_HUB_OFFLINE
+    set, no route, a timeout). Asked once per process: without it an offline lookup retries for minutes."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.ENDPOINT not in _HUB_STATUS:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout)
+            _HUB_STATUS[constants.ENDPOINT] = None
+        except Exception as e:  # noqa: BLE001  (any failure to connect means: work offline)
+            _HUB_STATUS[constants.ENDPOINT] = f"{constants.ENDPOINT} did not answer within {timeout:g} s: {type(e).__name__}: {e}"
+    return _HUB_STATUS[constants.ENDPOINT]
+
+
+def _cached_snapshot(model_id: str) -> str | None:
+    """The local folder of ``model_id`` in the Hugging Face cache (its config.json is there), or None.
+    Loading from that folder never asks the hub (transformers' adapter lookup would, even offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(model_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return None
+    return os.path.dirname(path) if isinstance(path, str) else None
+
+
+def _unresolved(model_id: str, why: str) -> HubError:
+    shipped = shipped_hub_ids()
+    return HubError(
+        f"hf:{model_id} is not in this machine's Hugging Face cache, no config of it ships with colabkit, and the hub "
+        f"cannot be reached ({why}). Online: check the id and the connection (a slow one: raise HF_HUB_ETAG_TIMEOUT "
+        "and HF_HUB_DOWNLOAD_TIMEOUT, in seconds); offline: download it once where there is a connection (it is then "
+        "cached), and set HF_HUB_OFFLINE=1 to skip the hub; estimates work offline for the configs colabkit ships "
+        f"(e.g. hf:{shipped[0]}; all: colabkit.models.shipped_hub_ids()), and gpt:LxD / llama:LxD need no hub")
+
+
 def hub_config(model_id: str) -> Any:
     """The transformers config of a hub model: the shipped copy (offline) when there is one, else the
-    hub or its cache. Never loads weights.
+    local cache, else the hub; when the hub cannot be reached a :class:`HubError` says so within
+    seconds. Never loads weights.
 
     >>> hub_config("gpt2").n_embd, hub_config("meta-llama/Llama-3.1-8B").num_key_value_heads
     (768, 8)
@@ -220,11 +269,17 @@ def hub_config(model_id: str) -> Any:
         with open(path) as f:
             cfg = json.load(f)
         return CONFIG_MAPPING[cfg.pop("model_type")](**cfg)
+    local = _cached_snapshot(model_id)
+    if local:
+        return AutoConfig.from_pretrained(local)
+    why = hub_unreachable()
+    if why:
+        raise _unresolved(model_id, why)
     try:
         return AutoConfig.from_pretrained(model_id)
-    except OSError as err:
-        raise OSError(f"no config for {model_id!r}: not shipped with colabkit ({', '.join(shipped_hub_ids())}) and "
-                      f"not reachable on the hub or in its cache ({err})") from err
+    except (OSError, ValueError) as err:
+        raise HubError(f"no config for hf:{model_id} on the hub ({err}): check the id (e.g. hf:Qwen/Qwen2.5-0.5B); a gated "
+                       "model needs `huggingface-cli login` first") from err
 
 
 def hf_from_config(model_id: str, seq: int | None = None) -> nn.Module:
@@ -236,25 +291,24 @@ def hf_from_config(model_id: str, seq: int | None = None) -> nn.Module:
 
 
 def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.Module:
-    """``hf:<id>``: the pretrained model from the hub when it can be reached; otherwise the model
-    built from its (cached) config with random weights, saying so."""
+    """``hf:<id>``: the pretrained model from the hub when it can be reached, else from the local cache;
+    otherwise the model built from its config (shipped or cached) with random weights, saying so."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
     model_id = name[3:]
+    why = hub_unreachable()
+    source = model_id if why is None else _cached_snapshot(model_id)
     try:
-        return AutoModelForCausalLM.from_pretrained(model_id)
-    except OSError as err:
-        try:
-            cfg = AutoConfig.from_pretrained(model_id)
-        except OSError:
-            raise OSError(
-                f"could not load {model_id!r} from the Hugging Face hub or its cache ({err}); "
-                "check the id and your connection, or use llama:LxD / gpt:LxD for a model built offline"
-            ) from err
-        print(f"colabkit: hub unreachable, building {model_id} from its config with random weights")
-        return AutoModelForCausalLM.from_config(cfg)
+        if source is None:
+            raise OSError("not in the local cache")
+        return AutoModelForCausalLM.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        why = f"{why}; {err}" if why else f"{type(err).__name__}: {err}"
+    cfg = hub_config(model_id)  # a HubError saying what to do when there is none
+    print(f"colabkit: no weights for {model_id} ({why}); building it from its config with random weights")
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 register_family("hf:", _hf_builder)

@@ -21,18 +21,23 @@ from .data import TextData
 from .checkpoints import load_trainer, require_folder, save_trainer
 from .logs import make_loggers
 from .memory import MemoryTracker, fmt_bytes
-from .models import count_params
+from .models import PRESETS, count_params
 from .oom import free_after_oom, is_oom, oom_guard, suggest_plan
 from .plan import Plan, PlanError
 from .trainer import ModelFn, Trainer, _device, load_model, weights_sha256
 
-__all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "check_run", "Trainer", "load_model", "weights_sha256"]
+__all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "check_run", "check_sizes", "check_device",
+           "check_context", "Trainer", "load_model", "weights_sha256"]
+
+CHECKPOINT_MINUTES = 10.0  # with only a checkpoint folder: a checkpoint every 10 min of wall time (Colab disconnects)
+_clock = time.monotonic  # the wall clock the checkpoint cadence reads (a test advances it)
 
 
-def save_checkpoint(trainer: Trainer, directory: str, keep: int = 3, run: dict[str, Any] | None = None) -> str:
+def save_checkpoint(trainer: Trainer, directory: str, keep: int = 3, run: dict[str, Any] | None = None,
+                    loss: float | None = None) -> str:
     """Write the trainer's full state to ``directory`` (streamed tensor by tensor, atomic, the last
     ``keep`` kept): see :mod:`colabkit.checkpoints`."""
-    return save_trainer(trainer, directory, keep=keep, run=run)
+    return save_trainer(trainer, directory, keep=keep, run=run, loss=loss)
 
 
 def load_checkpoint(trainer: Trainer, directory: str, run: dict[str, Any] | None = None) -> bool:
@@ -51,8 +56,47 @@ def _context_length(model: torch.nn.Module) -> int | None:
     return None
 
 
+def check_sizes(batch: int, seq: int, steps: int) -> None:
+    """Refuse a batch, sequence length or step count that is not a positive whole number.
+
+    >>> check_sizes(-4, 16, 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch must be a positive whole number of sequences per step, got -4
+    """
+    for name, v, what in (("batch", batch, "sequences per step"), ("seq", seq, "tokens per sequence"),
+                          ("steps", steps, "optimizer steps")):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive whole number of {what}, got {v!r}")
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """Refuse ``cuda`` where torch sees no GPU, in one sentence that says what to do."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"device 'cuda': torch sees no CUDA GPU on this machine (torch {torch.__version__}, {build}); "
+                         "in Colab: Runtime -> Change runtime type -> T4 GPU; or run on the CPU (--device cpu)")
+
+
+def check_context(name: str, seq: int) -> None:
+    """Refuse a sequence longer than a preset's context (a preset is a fixed model: it is never widened;
+    ``gpt:LxD`` shapes are built for the sequence asked for).
+
+    >>> check_context("gpt-tiny", 512)
+    Traceback (most recent call last):
+    ...
+    ValueError: seq 512 is longer than the model's context (gpt-tiny: 256 positions): use seq <= 256, or a gpt:LxD shape (built for the sequence), e.g. gpt:2x64
+    """
+    cfg = PRESETS.get(name)
+    if cfg is not None and seq > cfg.block_size:
+        shape = f"gpt:{cfg.n_layer}x{cfg.n_embd}" + (f":v{cfg.vocab_size}" if cfg.vocab_size != 256 else "")
+        raise ValueError(f"seq {seq} is longer than the model's context ({name}: {cfg.block_size} positions): use seq <= "
+                         f"{cfg.block_size}, or a gpt:LxD shape (built for the sequence), e.g. {shape}")
+
+
 def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop",
-              checkpoint_every: int = 0, resume: bool | str = False, checkpoint_dir: str | None = None) -> None:
+              checkpoint_every: int = 0, resume: bool | str = False, checkpoint_dir: str | None = None,
+              checkpoint_minutes: float | None = None) -> None:
     """Refuse bad run settings before anything is built, saying what to do.
 
     >>> check_run(0, 16, 1, Plan.parse("baseline"))
@@ -60,10 +104,7 @@ def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop"
     ...
     ValueError: batch must be a positive whole number of sequences per step, got 0
     """
-    for name, v, what in (("batch", batch, "sequences per step"), ("seq", seq, "tokens per sequence"),
-                          ("steps", steps, "optimizer steps")):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name} must be a positive whole number of {what}, got {v!r}")
+    check_sizes(batch, seq, steps)
     k = plan.get("accum", 1)
     if batch % k:
         raise PlanError(f"accum:{k} does not divide batch {batch}: micro-batches would differ in size; "
@@ -71,10 +112,16 @@ def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop"
     if on_oom not in ("stop", "shrink"):
         raise ValueError(f"on_oom={on_oom!r}: use 'shrink' (halve the micro-batch and retry) or 'stop'")
     if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0 (0: only at the end), got {checkpoint_every}")
+        raise ValueError(f"checkpoint_every must be >= 0 (0: by wall time, every {CHECKPOINT_MINUTES:g} min), "
+                         f"got {checkpoint_every}")
+    if checkpoint_minutes is not None and not checkpoint_minutes > 0:
+        raise ValueError(f"checkpoint_minutes must be > 0 (minutes of wall time between checkpoints), got {checkpoint_minutes}")
+    if not any(resume is v or resume == v for v in (False, True, "auto", "must")):
+        raise ValueError(f"resume={resume!r}: use True or 'auto' (continue from the newest checkpoint when there is "
+                         "one, start fresh otherwise), 'must' (a checkpoint must be there) or False")
     if resume and not checkpoint_dir:
         raise ValueError("resume needs checkpoint_dir (the folder the checkpoints were written to)")
-    if resume is True and checkpoint_dir:
+    if resume == "must":
         require_folder(checkpoint_dir)
 
 
@@ -130,6 +177,28 @@ def _step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, on_oom: str, shrin
                   f"retrying with micro-batch {batch // (2 * k)} x accum {2 * k} (effective batch {batch})")
 
 
+def _say_resumed(trainer: Trainer, path: str | None, directory: str, steps: int) -> bool:
+    """Say what ``resume`` found: a checkpoint to continue, a finished run (True), or nothing (a fresh
+    start); a checkpoint past ``steps`` is an error."""
+    if path is None:
+        print(f"colabkit: nothing to resume in {directory} ("
+              + ("no valid checkpoint" if os.path.isdir(directory) else "the folder does not exist yet")
+              + "): starting a fresh run")
+        return False
+    n, name = trainer.step_count, os.path.basename(path)
+    if n > steps:
+        raise ValueError(f"steps={steps} is below the newest checkpoint in {directory} ({name}, step {n}): to continue "
+                         f"that run ask for more than {n} steps; for a new run use another checkpoint folder")
+    if n < steps:
+        print(f"colabkit: resumed from step {n} ({name} in {directory})")
+        return False
+    loss = getattr(trainer, "checkpoint_loss", None)
+    print(f"colabkit: the run in {directory} is complete: step {n} of {steps}, final loss "
+          f"{'(not recorded)' if loss is None else f'{loss:.4f}'}, weights sha256 {weights_sha256(trainer.model)[:16]}; "
+          "nothing to train (ask for more steps to continue it)")
+    return True
+
+
 def _simulated(trainer: Trainer) -> bool:
     """True when offload ran simulated (host side and compute side both on the CPU)."""
     return bool(trainer.ctx.offload_sim and not trainer.ctx.cuda and "offload" in trainer.plan)
@@ -156,6 +225,7 @@ def train(
     callbacks: Iterable[Callable[[dict], Any]] = (),
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
+    checkpoint_minutes: float | None = None,
     resume: bool | str = False,
     progress: bool = True,
     eval_every: int = 0,
@@ -172,9 +242,13 @@ def train(
 
     ``live_plot`` (a :class:`colabkit.plots.LivePlot`) is redrawn from the tracker's samples;
     callbacks get ``{"step", "loss", "step_time_s", "trainer"}`` after each step. With
-    ``checkpoint_dir`` and ``checkpoint_every`` a checkpoint is written every K steps (the last
-    ``keep`` stay; :mod:`colabkit.checkpoints`); ``resume=True`` continues from the newest valid one
-    (the folder must hold one), ``resume="auto"`` from one if there is any; the same batches follow.
+    ``checkpoint_dir`` a checkpoint is written every ``checkpoint_every`` steps and/or every
+    ``checkpoint_minutes`` of wall time (with neither: every 10 minutes), and at the end; the last
+    ``keep`` stay (:mod:`colabkit.checkpoints`). ``resume=True`` (or ``"auto"``) continues from the
+    newest valid one when there is one and starts fresh otherwise, saying which; ``resume="must"``
+    raises when there is none. The same batches follow. A run already at ``steps`` says it is complete
+    (``"complete": True``, its final loss and weights hash) and trains nothing; a checkpoint past
+    ``steps`` is an error.
     ``on_oom="shrink"`` halves the micro-batch on an out-of-memory and retries (same effective batch);
     ``"stop"`` writes a checkpoint and the post-mortem. A warning names the planner's cheapest plan
     once the peak nears ``budget_bytes`` or host RAM nears ``host_limit_bytes`` (Colab's 12.7 GB).
@@ -188,7 +262,10 @@ def train(
     (2, 2)
     """
     plan = Plan.parse(plan)
-    check_run(batch, seq, steps, plan, on_oom, checkpoint_every, resume, checkpoint_dir)
+    check_run(batch, seq, steps, plan, on_oom, checkpoint_every, resume, checkpoint_dir, checkpoint_minutes)
+    check_device(device)
+    if isinstance(model, str):
+        check_context(model, seq)
     dev = _device(device)
     data = data or TextData()
     torch.manual_seed(seed)
@@ -197,7 +274,8 @@ def train(
     tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track,
                             budget_bytes=budget_bytes) if (track or live_plot) else None
     ctx = tracker if tracker is not None else contextlib.nullcontext()
-    losses, times, evals, shrinks, resumed, sent = [], [], [], [], None, set()
+    losses, times, evals, shrinks, resumed, sent, complete = [], [], [], [], None, set(), False
+    minutes = checkpoint_minutes if checkpoint_minutes is not None or checkpoint_every else CHECKPOINT_MINUTES
     run = {"batch": batch, "seq": seq, "seed": seed}  # a resumed run must see the same data
     gpu = "t4" if dev.type == "cuda" else None
     with ctx:
@@ -207,9 +285,13 @@ def train(
         trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker,
                           offload_sim=offload_sim)
         if resume and checkpoint_dir:
-            resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume is True)
-            if resumed:
-                print(f"colabkit: resumed from step {trainer.step_count} ({os.path.basename(resumed)} in {checkpoint_dir})")
+            resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume == "must")
+            complete = _say_resumed(trainer, resumed, checkpoint_dir, steps)
+        if checkpoint_dir and not complete:
+            when = ([f"every {checkpoint_every} steps"] if checkpoint_every else []) + \
+                ([f"every {minutes:g} min of wall time"] if minutes else []) + [f"at the end (the newest {keep} kept)"]
+            print(f"colabkit: checkpoints to {checkpoint_dir}: {' and '.join(when)}")
+        saved_at, saved_time = trainer.step_count, _clock()
         # loggers once the plan is accepted (a refused plan leaves no empty log files); a resumed run
         # continues its CSV from the checkpoint's step
         loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit"),
@@ -242,7 +324,7 @@ def train(
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if checkpoint_dir and is_oom(e):
                         print(f"colabkit: out of memory; state before step {trainer.step_count + 1} saved to "
-                              f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)}")
+                              f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=losses[-1] if losses else None)}")
                     raise
                 _sync(dev)
                 dt = time.perf_counter() - t0
@@ -257,17 +339,20 @@ def train(
                     evals.append((step + 1, trainer.evaluate(ex, ey)))
                 for cb in callbacks:
                     cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
-                if checkpoint_dir and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                    save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
+                if checkpoint_dir and ((checkpoint_every and (step + 1) % checkpoint_every == 0)
+                                       or (minutes and _clock() - saved_time >= 60 * minutes)):
+                    save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=loss)
+                    saved_at, saved_time = trainer.step_count, _clock()
         finally:  # the run's logs are complete (and a W&B run ended) even when a step raises
             for lg in loggers:
                 lg.close()
-    if checkpoint_dir and (not checkpoint_every or trainer.step_count % checkpoint_every):
-        save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run)
+    if checkpoint_dir and trainer.step_count != saved_at:
+        save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=losses[-1])
     return {
         "plan": str(trainer.plan),
         "step": trainer.step_count,
-        "loss": losses[-1] if losses else None,
+        "loss": losses[-1] if losses else getattr(trainer, "checkpoint_loss", None) if resumed else None,
+        "complete": complete,
         "losses": losses,
         "evals": evals,
         "step_times": times,
@@ -312,12 +397,21 @@ def measure(
     ``"simulated": True``; ``host_bytes`` / ``host_breakdown`` are the host side's peaks (pinned RAM
     on a GPU) and ``breakdown`` the device side's.
     """
-    dev = _device(device)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     record: dict[str, Any] = {"plan": str(plan), "model": name, "params": None, "trainable_params": None,
                               "peak_bytes": None, "breakdown": None, "at_peak": None, "step_time_s": None,
-                              "loss": None, "ok": False, "error": None, "device": str(dev),
+                              "loss": None, "ok": False, "error": None, "device": str(device),
                               "batch": batch, "seq": seq, "steps": steps, "simulated": False}
+    try:  # refused like train's: before anything is built
+        check_device(device)
+        check_sizes(batch, seq, steps)
+        if isinstance(model_fn, str):
+            check_context(model_fn, seq)
+    except ValueError as e:
+        record["error"] = f"ValueError: {e}"
+        return record
+    dev = _device(device)
+    record["device"] = str(dev)
     data = data or TextData()
     tracker = MemoryTracker(device=dev, on_sample=on_sample)
     try:

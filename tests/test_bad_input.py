@@ -2,17 +2,21 @@
 one row per case, each checking the message says what is wrong and what to do."""
 import importlib.util
 import os
+import re
+import time
 
 import pytest
 import torch
 
-from colabkit.checkpoints import CheckpointError
+from colabkit.__main__ import main
+from colabkit.checkpoints import CheckpointError, list_checkpoints, write_checkpoint
 from colabkit.models import build_model
 from colabkit.plan import PlanError
 from colabkit.techniques import attention
 from colabkit.techniques.offload import host_ram_guard
 from colabkit.env import t4_rules
-from colabkit.train import train
+from colabkit.train import measure, train
+from tests.test_checkpoints import plant_pickle
 
 
 def _no_step(info):  # any completed step means the error came too late
@@ -129,7 +133,7 @@ def test_missing_optional_dependency(monkeypatch):
 
 def test_resume_folder_missing(tmp_path):
     with pytest.raises(CheckpointError, match=r"resume folder '.*nowhere' does not exist: check the path"):
-        _train(checkpoint_dir=str(tmp_path / "nowhere"), resume=True)
+        _train(checkpoint_dir=str(tmp_path / "nowhere"), resume="must")
 
 
 def test_resume_folder_without_valid_checkpoint(tmp_path):
@@ -137,8 +141,86 @@ def test_resume_folder_without_valid_checkpoint(tmp_path):
         f.write(b"half a checkpoint")
     with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000005.ckpt"), \
             pytest.raises(CheckpointError, match=r"no valid checkpoint in .*ckpt-00000005.ckpt: no end marker.*start without resume"):
-        _train(checkpoint_dir=str(tmp_path), resume=True)
+        _train(checkpoint_dir=str(tmp_path), resume="must")
     assert os.listdir(tmp_path) == ["ckpt-00000005.ckpt"]
+
+
+def test_resume_starts_fresh_when_there_is_nothing_to_resume(tmp_path, capsys):
+    """resume=True (the CLI's --resume) is resume="auto": a missing folder is a fresh start, said so."""
+    out = train("gpt:2x64", steps=1, batch=2, seq=16, device="cpu", progress=False, track=False,
+                checkpoint_dir=str(tmp_path / "new"), resume=True)
+    assert "nothing to resume in" in capsys.readouterr().out and out["resumed_from"] is None
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "new"))] == [1]
+
+
+def test_steps_below_the_newest_checkpoint(tmp_path):
+    train("gpt:2x64", steps=3, batch=2, seq=16, device="cpu", progress=False, track=False, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"steps=2 is below the newest checkpoint in .* \(ckpt-00000003.ckpt, step 3\): "
+                                         r"to continue that run ask for more than 3 steps"):
+        _train(checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_bad_resume_value():
+    with pytest.raises(ValueError, match=r"resume='yes': use True or 'auto'"):
+        _train(checkpoint_dir="x", resume="yes")
+
+
+def test_preset_sequence_longer_than_context_on_every_path(capsys):
+    """A preset is never widened to the sequence: train, bench (measure) and estimate/plan refuse alike."""
+    why = r"seq 100000 is longer than the model's context \(gpt-tiny: 256 positions\): use seq <= 256, or a gpt:LxD shape"
+    with pytest.raises(ValueError, match=why):
+        _train("gpt-tiny", seq=100000)
+    r = measure("gpt-tiny", "baseline", batch=2, seq=100000, steps=1, device="cpu")
+    assert not r["ok"] and re.search(why, r["error"])
+    for cmd in (["estimate", "--model", "gpt-tiny"], ["plan", "--model", "gpt-tiny"], ["bench", "--model", "gpt-tiny"],
+                ["train", "--model", "gpt-tiny"]):
+        assert main(cmd + ["--seq", "100000"]) == 2
+        assert re.match("error: " + why, capsys.readouterr().err)
+
+
+def test_hub_model_sequence_longer_than_context(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["estimate", "--model", "hf:openai-community/gpt2", "--seq", "2048"]) == 2
+    assert "seq 2048 is longer than the model's context (hf:openai-community/gpt2: 1024 positions)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error for a machine without a GPU")
+def test_device_cuda_without_gpu():
+    with pytest.raises(ValueError, match=r"device 'cuda': torch sees no CUDA GPU on this machine .*--device cpu"):
+        _train(device="cuda")
+    r = measure("gpt:2x64", "baseline", batch=2, seq=16, steps=1, device="cuda")
+    assert not r["ok"] and "torch sees no CUDA GPU" in r["error"]
+
+
+def test_bench_bad_sizes():
+    r = measure("gpt:2x64", "baseline", batch=-4, seq=16, steps=1, device="cpu")
+    assert not r["ok"] and r["error"] == "ValueError: batch must be a positive whole number of sequences per step, got -4"
+
+
+def test_hub_id_that_cannot_be_resolved(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"hf:nonexistent/xyz is not in this machine's Hugging Face cache.*"
+                                         r"set HF_HUB_OFFLINE=1 to skip the hub.*gpt:LxD / llama:LxD need no hub"):
+        _train("hf:nonexistent/xyz")
+    assert time.monotonic() - t0 < 20
+
+
+def test_checkpoint_whose_manifest_holds_code(tmp_path):
+    train("gpt:2x64", steps=1, batch=2, seq=16, device="cpu", progress=False, track=False, checkpoint_dir=str(tmp_path))
+    path = list_checkpoints(str(tmp_path))[-1][1]
+    plant_pickle(path, ("versions", "torch"), {"__pickle__": "gASVBQAAAAAAAACMAXiULg=="})
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000001.ckpt: refused for safety: the manifest "
+                                            "holds a pickled Python object"), \
+            pytest.raises(CheckpointError, match="no valid checkpoint"):
+        _train(checkpoint_dir=str(tmp_path), resume="must")
+
+
+def test_saving_a_value_that_is_not_data(tmp_path):
+    with pytest.raises(CheckpointError, match=r"cannot save state\['optimizer'\]\['hook'\]: a builtins.function is "
+                                              r"not data.*give this object a state_dict\(\) of plain values"):
+        write_checkpoint({"optimizer": {"hook": lambda: 0}}, str(tmp_path / "d"), 1)
+    assert not os.path.exists(tmp_path / "d")
 
 
 def test_checkpoint_from_another_plan(tmp_path):

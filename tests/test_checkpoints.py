@@ -1,7 +1,12 @@
 """Streaming, validated checkpoints: exact resume after SIGKILL (CLI), fallback past a damaged newest
-checkpoint, refusal of another model/plan, every optimizer kind, and the host memory a save costs."""
+checkpoint, refusal of another model/plan, every optimizer kind, and the host memory a save costs.
+Loading never runs code (issue 28): a manifest that carries a pickle is skipped, a value that is not data
+is refused when saving, no torch.load/pickle in colabkit un-pickles, memory snapshots are read as data."""
+import base64
 import json
 import os
+import pickle
+import struct
 import signal
 import subprocess
 import sys
@@ -11,7 +16,7 @@ import time
 import pytest
 import torch
 
-from colabkit.checkpoints import CheckpointError, list_checkpoints, read_checkpoint, read_latest, write_checkpoint
+from colabkit.checkpoints import MAGIC, CheckpointError, list_checkpoints, read_checkpoint, read_latest, write_checkpoint
 from colabkit.plan import PlanError
 from colabkit.train import train
 
@@ -64,7 +69,8 @@ def test_cli_sigkill_resume_and_fallback(tmp_path):
     assert names == ["ckpt-00000030.ckpt", "ckpt-00000035.ckpt", "ckpt-00000040.ckpt"]  # keep 3, no temp files
 
 
-@pytest.mark.parametrize("plan", ["adamw8bit", "adamw4bit", "fused-step", "sgd:0.9+accum:2"])
+@pytest.mark.parametrize("plan", ["adamw8bit", "adamw4bit", "fused-step", "sgd:0.9+accum:2", "lion8bit", "adafactor",
+                                  "adam-mini", "fp16+checkpoint+adamw4bit", "lora:4", "qlora:4"])
 def test_exact_resume_every_optimizer_kind(tmp_path, plan):
     kw = dict(plan=plan, batch=4, seq=32, seed=3, device="cpu", progress=False, track=False)
     full = train("gpt:2x64", steps=6, **kw)
@@ -227,3 +233,119 @@ def test_exact_resume_offloaded_optimizer(tmp_path):
         a.step(*data.batch(4, 32, step=s))
         b.step(*data.batch(4, 32, step=s))
     assert weights_sha256(b.model) == weights_sha256(a.model)
+
+
+# ----- loading never runs code (issue 28) --------------------------------------------------------------------
+def plant_pickle(path: str, keys: tuple, value) -> None:
+    """Replace the manifest value at ``keys`` (dict keys from the top of the state) with ``value`` and
+    rewrite the manifest and its length; the tensor bytes and their checksums stay as they were."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 8 - len(MAGIC))
+        n = struct.unpack("<Q", f.read(8))[0]
+        f.seek(size - 8 - len(MAGIC) - n)
+        man = json.loads(f.read(n))
+        node = man["state"]
+        for k in keys[:-1]:
+            node = next(v for kk, v in node["__d__"] if kk == k)
+        pair = next(p for p in node["__d__"] if p[0] == keys[-1])
+        pair[1] = value
+        text = json.dumps(man).encode()
+        f.seek(size - 8 - len(MAGIC) - n)
+        f.write(text + struct.pack("<Q", len(text)) + MAGIC)
+        f.truncate()
+
+
+class _CreatesFile:
+    """Un-pickled, it calls open(path, "w"): the file appearing proves code from the checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_pickled_callable_in_the_manifest_runs_nothing(tmp_path):
+    d, marker = str(tmp_path / "ckpt"), tmp_path / "code-ran"
+    kw = dict(plan="adamw8bit", batch=4, seq=64, seed=7, device="cpu", progress=False, track=False)
+    reference = train("gpt:4x128", steps=6, **kw)["weights_sha256"]
+    train("gpt:4x128", steps=4, checkpoint_dir=d, checkpoint_every=2, **kw)
+    payload = pickle.dumps(_CreatesFile(str(marker)))
+    control = tmp_path / "control"  # negative control: un-pickled as before, this payload does create its file
+    pickle.loads(pickle.dumps(_CreatesFile(str(control))))
+    assert control.exists()
+    plant_pickle(list_checkpoints(d)[-1][1], ("versions", "torch"), {"__pickle__": base64.b64encode(payload).decode()})
+
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000004.ckpt: refused for safety: the manifest "
+                                            "holds a pickled Python object"):
+        state, path, skipped = read_latest(d)
+    assert not marker.exists()
+    assert path.endswith("ckpt-00000002.ckpt") and state["step"] == 2 and "could run code" in skipped[0][1]
+
+    resumed = _cli("--checkpoint-dir", d, "--checkpoint-every", "2", "--steps", "6", "--resume")
+    assert not marker.exists()
+    assert "skipped checkpoint ckpt-00000004.ckpt: refused for safety" in resumed.stderr
+    assert json.loads(resumed.stdout)["resumed_from"].endswith("ckpt-00000002.ckpt")  # --json -: stdout is JSON only
+    assert _sha(resumed) == reference
+
+
+def test_a_value_that_is_not_data_is_refused_when_saving(tmp_path):
+    class Hook:
+        pass
+
+    with pytest.raises(CheckpointError, match=r"cannot save state\['optimizer'\]\['state'\]\[0\]\['hooks'\]\[1\]: a "
+                                              r"test_checkpoints\.\S*Hook is not data"):
+        write_checkpoint({"optimizer": {"state": {0: {"hooks": [1, Hook()]}}}}, str(tmp_path / "d"), 1)
+    assert not os.path.exists(tmp_path / "d")  # refused before any file
+
+
+def test_every_value_kind_is_encoded_explicitly(tmp_path):
+    import numpy as np
+    from galore_torch.galore_projector import GaLoreProjector
+
+    proj = GaLoreProjector(4, update_proj_gap=7, scale=0.25)
+    proj.ortho_matrix = torch.randn(4, 8)
+    state = {"dtype": torch.bfloat16, "device": torch.device("cpu"), "array": np.arange(5, dtype=np.uint32),
+             "i64": np.int64(7), "f64": np.float64(0.5), "nan": float("nan"), "size": torch.Size([2, 3]),
+             3: (1, "a", None, True), "projector": proj, "t": torch.arange(4, dtype=torch.int16)}
+    out = read_checkpoint(write_checkpoint(state, str(tmp_path), 1))
+    assert out["dtype"] is torch.bfloat16 and out["device"] == torch.device("cpu") and out[3] == (1, "a", None, True)
+    assert out["array"].dtype == np.uint32 and out["array"].tolist() == [0, 1, 2, 3, 4]
+    assert type(out["i64"]) is np.int64 and out["i64"] == 7 and out["f64"] == 0.5 and out["nan"] != out["nan"]
+    assert out["size"] == (2, 3) and torch.equal(out["t"], state["t"])
+    p = out["projector"]
+    assert type(p) is GaLoreProjector and (p.rank, p.update_proj_gap, p.scale, p.proj_type) == (4, 7, 0.25, "std")
+    assert torch.equal(p.ortho_matrix, proj.ortho_matrix)
+    # a manifest that names a class colabkit never writes, or a dtype that is not one, is refused
+    for value, why in (({"__obj__": "subprocess.Popen", "attrs": {"__d__": []}}, "class 'subprocess.Popen'"),
+                       ({"__dtype__": "load"}, "unknown dtype 'load'")):
+        write_checkpoint({"x": 1}, str(tmp_path / "bad"), 1)
+        plant_pickle(list_checkpoints(str(tmp_path / "bad"))[-1][1], ("x",), value)
+        with pytest.raises(CheckpointError, match=why):
+            read_checkpoint(list_checkpoints(str(tmp_path / "bad"))[-1][1])
+
+
+def test_nothing_in_colabkit_unpickles():
+    """The issue's check: `grep -rn "pickle.loads\\|weights_only=False" colabkit` finds nothing."""
+    hits = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "colabkit")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    hits += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(f, 1)
+                             if "pickle.loads" in line or "weights_only=False" in line]
+    assert hits == []
+
+
+def test_memory_snapshot_is_read_as_data(tmp_path):
+    from colabkit.memory import show_snapshot
+
+    plain = tmp_path / "plain.pickle"
+    plain.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    assert "<" in str(getattr(show_snapshot(str(plain)), "data", ""))  # CUDA's trace viewer got plain data
+    marker, evil = tmp_path / "code-ran", tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps({"segments": [_CreatesFile(str(marker))]}))
+    with pytest.raises(ValueError, match=r"refused: this snapshot asks to load .*open; a memory snapshot holds plain data"):
+        show_snapshot(str(evil))
+    assert not marker.exists()

@@ -33,23 +33,98 @@ def _table(r: dict) -> str:
 def _need(r: dict) -> str:
     """``need +- uncertainty`` of the device (peak plus the GPU's overheads), or '' without a GPU profile."""
     d = (r.get("resources") or {}).get("device")
-    return f"need {fmt_bytes(d['need'])} +-{fmt_bytes(d['uncertainty'])}" if d and d["uncertainty"] else ""
+    return f"{fmt_bytes(d['need'])} +-{fmt_bytes(d['uncertainty'])}" if d and d["uncertainty"] else ""
+
+
+def _plans_table(rows: list[dict]) -> str:
+    lines = [f"{'verdict':<12} {'tensors peak':>12} {'device need +- uncertainty':>26} {'step time':>9}  plan"]
+    for r in rows:
+        verdict = r.get("verdict") or ("fits" if r["fits"] else "does not fit")
+        if r.get("error"):
+            lines.append(f"{'refused':<12} {'':>12} {'':>26} {'':>9}  {r['plan']}: {r['error']}")
+            continue
+        lines.append(f"{verdict:<12} {fmt_bytes(r['peak_bytes']):>12} {_need(r):>26} {(r['overhead'] or 0):>+9.0%}  {r['plan']}")
+    lines.append("tensors peak: predicted peak of the run's tensors; device need: that plus the GPU's overheads (CUDA "
+                 "context, workspace, fragmentation), +- their uncertainty; step time: predicted time per step "
+                 "relative to baseline's (+33% = a third slower, -40% = 40% faster). Predictions, nothing allocated.")
+    return "\n".join(lines)
+
+
+def _largest_table(r: dict) -> str:
+    where = f"on {r['gpu'] or 'cpu'}, seq {r['seq']}, batch {r['batch']}"
+    if r["model"] is None:
+        return "\n".join([f"nothing fits plan {r['plan']} {where}: {r['why']}", *r["suggestions"]])
+    d = (r.get("resources") or {}).get("device") or {}
+    need = (f"{fmt_bytes(d['need'])} +- {fmt_bytes(d['uncertainty'])}" if d.get("uncertainty")
+            else fmt_bytes(d.get("need", r["peak_bytes"])))
+    return "\n".join([
+        f"{'plan':<34} {'largest model':<22} {'parameters':>10} {'device need +- uncertainty':>28}  verdict",
+        f"{r['plan']:<34} {r['model']:<22} {r['params'] / 1e9:>8.2f} B {need:>28}  {r.get('verdict') or 'fits'}",
+        f"{where}, budget {fmt_bytes(r['budget_bytes'])}: the tensors' peak plus the GPU's overheads; 'tight' fits only "
+        "inside the overheads' uncertainty. A prediction, nothing allocated."])
+
+
+def _check_seq(model: str, seq: int) -> None:
+    """A sequence longer than the model's context is refused here as in ``train`` (presets and hub models)."""
+    from ..models import hub_config
+    from ..train import check_context
+
+    check_context(model, seq)
+    if model.startswith("hf:"):
+        cfg = hub_config(model[3:])
+        n = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), None)
+        if n is not None and seq > n:
+            raise ValueError(f"seq {seq} is longer than the model's context ({model}: {n} positions): use seq <= {n}")
+
+
+def _what_fits(plan: str, seq: int, batch: int, gpu: str | None, device: str | None) -> list[str]:
+    """What would fit when nothing does: the longest power-of-two sequence with this plan, and the first
+    plan (this one plus checkpointing, fp16, offloaded activations) that fits at this sequence."""
+    from ..plan import Plan, PlanError
+
+    tips = []
+    s = 1 << (seq - 1).bit_length() - 1 if seq > 1 else 0
+    while s >= 16:
+        r = largest(plan, seq=s, batch=batch, gpu=gpu, device=device)
+        if r["model"]:
+            tips.append(f"  --seq {s} with plan {plan}: up to {r['model']} ({r['params'] / 1e9:.2f} B parameters)")
+            break
+        s //= 2
+    own = [t for t in Plan.parse(plan).tokens if t != "baseline"]
+    tried = []
+    for extra in (["checkpoint"], ["fp16", "checkpoint"], ["fp16", "checkpoint", "offload:activations"]):
+        try:
+            p = str(Plan.parse(list(dict.fromkeys(own + extra))))
+        except PlanError:
+            continue
+        if p == plan or p in tried:
+            continue
+        tried.append(p)
+        r = largest(p, seq=seq, batch=batch, gpu=gpu, device=device)
+        if r["model"]:
+            tips.append(f"  plan {p} at seq {seq}: up to {r['model']} ({r['params'] / 1e9:.2f} B parameters)")
+            break
+    else:
+        if tried:
+            tips.append(f"  (at seq {seq} none of {', '.join(tried)} fits either)")
+    return ["what would fit:", *tips] if tips else ["nothing smaller fits either: use a GPU with more memory"]
 
 
 def _args(p, plan=True, model=True) -> None:
     if model:
-        p.add_argument("--model", default="gpt2-124m")
+        p.add_argument("--model", default="gpt2-124m", help="preset, gpt:LxD, llama:LxD or hf:<id> (default gpt2-124m)")
     if plan:
-        p.add_argument("--plan", default="baseline")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--gpu", default="t4")
-    p.add_argument("--device", default=None, choices=["cpu"])
+        p.add_argument("--plan", default="baseline", help="one plan: tokens joined by '+' (default baseline)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--gpu", default="t4", help="GPU profile to predict for: t4, t4x2, p100, l4, a100 (default t4)")
+    p.add_argument("--device", default=None, choices=["cpu"], help="predict a CPU run instead (how CI checks against bench)")
 
 
 def register_cli(subcommand) -> None:
     """Add the ``estimate``, ``plan``, ``largest`` and ``calibrate`` subcommands with the CLI's ``subcommand`` decorator
     (called by ``colabkit.__main__.main``; importing the CLI from here would load it twice under -m)."""
+    from ..train import check_sizes
 
     def estimate_args(p):
         _args(p)
@@ -57,6 +132,8 @@ def register_cli(subcommand) -> None:
 
     @subcommand("estimate", "predicted peak memory of a run, without allocating it", estimate_args, _table)
     def _estimate(args):
+        check_sizes(args.batch, args.seq, 1)
+        _check_seq(args.model, args.seq)
         return estimate(args.model, args.plan, batch=args.batch, seq=args.seq, gpu=args.gpu, device=args.device,
                         world_size=args.world_size)
 
@@ -64,11 +141,10 @@ def register_cli(subcommand) -> None:
         _args(p, plan=False)
         p.add_argument("--chart", default=None, metavar="PNG", help="save the Pareto chart (memory vs overhead)")
 
-    @subcommand("plan", "the plans that fit, cheapest step first", plan_args,
-                lambda rows: "\n".join(f"{r.get('verdict') or ('fits' if r['fits'] else 'does not fit'):<12} "
-                                       f"{fmt_bytes(r['peak_bytes']):>10} {_need(r):>22} "
-                                       f"{(r['overhead'] or 0):+7.0%}  {r['plan']}" for r in rows))
+    @subcommand("plan", "the plans that fit, cheapest step first", plan_args, _plans_table)
     def _plan(args):
+        check_sizes(args.batch, args.seq, 1)
+        _check_seq(args.model, args.seq)
         rows = plans(args.model, args.batch, args.seq, args.gpu, args.device)
         if args.chart:
             import matplotlib
@@ -79,12 +155,18 @@ def register_cli(subcommand) -> None:
         return [{k: r.get(k) for k in ("plan", "fits", "verdict", "peak_bytes", "host_bytes", "overhead", "step_time_s",
                                        "breakdown", "overheads", "resources", "error")} for r in rows]
 
-    @subcommand("largest", "the largest GPT-shaped model that fits a plan", lambda p: _args(p, model=False),
-                lambda r: f"{r['model']}: {r['params'] / 1e9:.2f}B params, peak {fmt_bytes(r['peak_bytes'])} "
-                          f"of {fmt_bytes(r['budget_bytes'])}")
+    @subcommand("largest", "the largest GPT-shaped model that fits a plan (exit 1 when nothing does)",
+                lambda p: _args(p, model=False), _largest_table)
     def _largest(args):
-        return largest(args.plan, seq=args.seq, batch=args.batch, gpu=args.gpu, device=args.device)
-
+        check_sizes(args.batch, args.seq, 1)
+        gpu = None if args.device == "cpu" else args.gpu
+        r = largest(args.plan, seq=args.seq, batch=args.batch, gpu=args.gpu, device=args.device)
+        r.update(gpu=gpu, seq=args.seq, batch=args.batch, ok=r["model"] is not None)
+        if r["model"] is None:
+            r["why"] = (f"even the smallest GPT ({r.get('smallest')}) needs {fmt_bytes(r['peak_bytes'])} of "
+                        f"{fmt_bytes(r['budget_bytes'])}")
+            r["suggestions"] = _what_fits(r["plan"], args.seq, args.batch, args.gpu, args.device)
+        return r
 
     def calibrate_args(p):
         p.add_argument("--measurement", default=None, metavar="JSON",

@@ -212,7 +212,8 @@ def largest(plan: Plan | str = "baseline", seq: int = 1024, batch: int = 1, gpu:
     if not at(64 * lo)["fits"]:
         r = at(64 * lo)
         return {"params": 0, "model": None, "peak_bytes": r["peak_bytes"], "budget_bytes": r["budget_bytes"],
-                "plan": plan, "note": f"even {r['model']} does not fit"}
+                "plan": plan, "note": f"even {r['model']} does not fit", "smallest": r["model"],
+                "verdict": r.get("verdict"), "resources": r.get("resources")}
     while at(64 * hi)["fits"]:
         lo, hi = hi, hi * 2
         if hi > 1024:
@@ -222,7 +223,8 @@ def largest(plan: Plan | str = "baseline", seq: int = 1024, batch: int = 1, gpu:
         lo, hi = (mid, hi) if at(64 * mid)["fits"] else (lo, mid)
     r = at(64 * lo)
     return {"params": r["params"], "model": r["model"], "peak_bytes": r["peak_bytes"],
-            "budget_bytes": r["budget_bytes"], "plan": plan, "host_bytes": r["host_bytes"]}
+            "budget_bytes": r["budget_bytes"], "plan": plan, "host_bytes": r["host_bytes"],
+            "verdict": r.get("verdict"), "resources": r.get("resources")}
 
 
 def suggest(model: str | Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,

@@ -241,9 +241,12 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
             delta = sum(nf4_bytes(n) - es * n if q else (rest - es) * n for n, q, es in t["frozen"])
             _shift(t, "params", delta)
             dtype = "fp16" if rest == 2 else "fp32"
+            held = sum(es * n for n, _, es in t["frozen"])
             notes.append(f"qlora dtypes (as the run stores them): {sum(q for _, q, _ in t['frozen'])} linear weights NF4; "
-                         f"embeddings {dtype}, lm_head {dtype} (never quantized), norms {dtype} "
-                         f"({delta:+,} B against the 16-bit stand-in; bitsandbytes cannot quantize fake tensors)")
+                         f"embeddings {dtype}, lm_head {dtype} (never quantized), norms {dtype}. bitsandbytes cannot "
+                         f"quantize the estimator's fake tensors, so the trace ran lora with 16-bit frozen weights "
+                         f"({fmt_bytes(held)}); params counts them as the run stores them ({fmt_bytes(held + delta)}), "
+                         f"{fmt_bytes(abs(delta))} {'less' if delta <= 0 else 'more'}")
             return t
         opt = plan.optimizer_token
         if plan.optimizer == "sgd":

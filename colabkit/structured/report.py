@@ -132,7 +132,7 @@ def register_cli(subcommand) -> None:
     def add_args(p):
         p.add_argument("--n", type=int, default=2048, help="matrix size N")
         p.add_argument("--rank", type=int, default=16, help="rank r of the low-rank part")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="seed of the random test matrix")
         p.add_argument("--reps", type=int, default=5, help="timing rounds (the fastest is kept)")
 
     @subcommand("structured", "tridiagonal + low-rank matrices against dense: storage, recovery, matvec error and time",

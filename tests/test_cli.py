@@ -1,0 +1,238 @@
+"""The command line as a newcomer meets it (issue 26): the README's own train line on a fresh folder, run
+twice; the default checkpoint cadence; `largest` when nothing fits; offline hub ids, a missing GPU and bad
+sizes as one-line errors; output without other libraries' noise; --help for every flag; the console script
+and the repository's hygiene."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+import torch
+
+from colabkit.__main__ import build_parser, main
+from colabkit.checkpoints import list_checkpoints
+from colabkit.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args, env=None, timeout=300):
+    return subprocess.Popen([sys.executable, "-m", "colabkit", *args], env=env or ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _readme_train_line() -> list[str]:
+    """The README's `train ... --resume` command, as its arguments."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        m = re.search(r"python -m colabkit (train [^\n\\]*--resume)", f.read())
+    assert m, "the README lost its train ... --resume line"
+    return shlex.split(m.group(1))
+
+
+# ----- items 1 and 2: --resume on a fresh folder, a finished run, --steps below the newest checkpoint ---------
+def test_readme_train_line_on_a_fresh_folder_twice(tmp_path, monkeypatch, capsys):
+    argv = _readme_train_line()
+    assert "--checkpoint-dir" in argv and "--resume" in argv
+    monkeypatch.chdir(tmp_path)  # a fresh clone: no ckpt/ yet
+    assert main(argv + ["--no-track"]) == 0  # the tracker changes no number; untracked is faster on a CPU
+    first = capsys.readouterr()
+    assert "nothing to resume in ckpt (the folder does not exist yet): starting a fresh run" in first.out
+    step, loss, sha = re.search(r"^step (\d+)  loss ([\d.]+)  weights sha256 (\w+)$", first.out, re.M).groups()
+
+    assert main(argv + ["--no-track"]) == 0  # run again: complete, nothing trained, the same numbers reported
+    again = capsys.readouterr()
+    assert f"is complete: step {step} of {step}, final loss {loss}, weights sha256 {sha}" in again.out
+    assert re.search(rf"^run complete, nothing to train: step {step}  loss {loss}  weights sha256 {sha}$", again.out, re.M)
+
+    assert main(argv[:argv.index("--steps") + 1] + ["50"] + argv[argv.index("--steps") + 2:]) == 2
+    below = capsys.readouterr()
+    assert below.err.count("\n") == 1 and below.err.startswith("error: steps=50 is below the newest checkpoint in ckpt")
+    assert f"step {step})" in below.err and "another checkpoint folder" in below.err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_resume_must_wants_a_checkpoint(tmp_path, capsys):
+    assert main(["train", "--model", "gpt:2x64", "--steps", "1", "--batch", "2", "--seq", "16", "--no-track",
+                 "--checkpoint-dir", str(tmp_path / "none"), "--resume", "must"]) == 2
+    assert "resume folder" in capsys.readouterr().err and not os.path.exists(tmp_path / "none")
+
+
+# ----- item 5: only --checkpoint-dir: a checkpoint every 10 minutes of wall time, said at the start ---------
+def test_default_cadence_is_by_wall_time(tmp_path, monkeypatch, capsys):
+    now = [0.0]
+
+    def clock():  # each reading is 4 minutes later: the 10-minute checkpoint falls after step 3
+        now[0] += 240.0
+        return now[0]
+
+    def killed(info):  # the runtime dies after step 5, before any end-of-run checkpoint
+        if info["step"] == 5:
+            raise KeyboardInterrupt
+
+    kw = dict(batch=2, seq=16, seed=1, device="cpu", progress=False, track=False)
+    monkeypatch.setattr(sys.modules["colabkit.train"], "_clock", clock)  # the module: colabkit.train is the function
+    with pytest.raises(KeyboardInterrupt):
+        train("gpt:2x64", steps=8, checkpoint_dir=str(tmp_path), callbacks=[killed], **kw)
+    assert "every 10 min of wall time and at the end" in capsys.readouterr().out
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3]
+    monkeypatch.undo()
+    resumed = train("gpt:2x64", steps=8, checkpoint_dir=str(tmp_path), resume=True, **kw)
+    assert resumed["resumed_from"].endswith("ckpt-00000003.ckpt")
+    assert resumed["weights_sha256"] == train("gpt:2x64", steps=8, **kw)["weights_sha256"]
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3, 8]  # and one at the end
+
+
+# ----- item 4 and the tables: largest with nothing that fits, largest's verdict, plan's header --------------
+def test_largest_nothing_fits_says_what_would(monkeypatch, capsys, tmp_path):
+    cli = sys.modules["colabkit.estimate.cli"]
+
+    seen, real = {}, cli.largest
+
+    def remembered(plan, **kw):
+        key = (plan, tuple(sorted(kw.items())))
+        seen[key] = seen.get(key) or real(plan, **kw)
+        return dict(seen[key])
+
+    monkeypatch.setattr(cli, "largest", remembered)
+    out = str(tmp_path / "l.json")
+    assert main(["largest", "--plan", "baseline", "--seq", "100000", "--gpu", "t4"]) == 1
+    text = capsys.readouterr().out
+    assert text.startswith("nothing fits plan baseline on t4, seq 100000, batch 1: even the smallest GPT (gpt:")
+    m = re.search(r"^  --seq (\d+) with plan baseline: up to (gpt:\S+) \(([\d.]+) B parameters\)$", text, re.M)
+    assert m and int(m[1]) < 100000, text
+    assert main(["largest", "--plan", "baseline", "--seq", m[1], "--gpu", "t4", "--json", out]) == 0  # remembered
+    r = json.load(open(out))
+    assert r["model"] == m[2] and r["ok"] and r["verdict"] in ("fits", "tight")
+    assert main(["largest", "--plan", "baseline", "--seq", m[1], "--gpu", "t4"]) == 0
+    header, row, note = capsys.readouterr().out.splitlines()[-3:]
+    assert header.split() == ["plan", "largest", "model", "parameters", "device", "need", "+-", "uncertainty", "verdict"]
+    assert re.fullmatch(rf"baseline +{re.escape(m[2])} +{m[3]} B +[\d.]+ [KMG]iB \+- [\d.]+ [KMG]iB +{r['verdict']}", row)
+    assert "'tight' fits only inside the overheads' uncertainty" in note
+
+
+def test_plan_table_has_a_header_and_says_what_its_percentage_means(monkeypatch, capsys):
+    cli = sys.modules["colabkit.estimate.cli"]
+
+    real = cli.plans
+    monkeypatch.setattr(cli, "plans", lambda *a: real(*a, candidates=["baseline", "checkpoint"]))
+    assert main(["plan", "--model", "gpt-tiny", "--batch", "2", "--seq", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["verdict", "tensors", "peak", "device", "need", "+-", "uncertainty", "step", "time", "plan"]
+    assert re.fullmatch(r"fits +[\d.]+ [KMG]?i?B +[\d.]+ [KMG]iB \+-[\d.]+ [KMG]iB +\+0%  baseline", lines[1])
+    assert re.fullmatch(r"fits .* +\+\d+%  checkpoint", lines[2])
+    assert "relative to baseline's (+33% = a third slower" in lines[3]
+
+
+# ----- item 6: an unreachable hub, no GPU, bad sizes: one line, exit 2, in seconds --------------------------
+def test_hf_id_offline_fails_in_seconds_with_what_to_do():
+    env = {**ENV, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there: the hub cannot be reached
+    env.pop("HF_HUB_OFFLINE", None)
+    t0 = time.monotonic()
+    p = _cli("train", "--model", "hf:nonexistent/xyz", "--steps", "1", env=env)
+    out, err = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, err[-2000:]
+    assert err.count("\n") == 1 and err.startswith("error: hf:nonexistent/xyz is not in this machine's Hugging Face cache")
+    assert "HF_HUB_OFFLINE=1" in err and "HF_HUB_ETAG_TIMEOUT" in err and "shipped_hub_ids()" in err
+    assert took < 30, f"{took:.0f} s"  # before: 5 retries with back-off per lookup (74 s here), then a traceback
+
+
+def test_shipped_config_works_offline(monkeypatch):
+    import colabkit.models as models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    assert models.hub_config("Qwen/Qwen2.5-0.5B").hidden_size == 896  # shipped: no hub needed
+    with pytest.raises(models.HubError, match=r"cannot be reached \(HF_HUB_OFFLINE is set\)"):
+        models.hub_config("nonexistent/xyz")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+@pytest.mark.parametrize("cmd", ["train", "bench"])
+def test_device_cuda_without_gpu_is_one_line(cmd, capsys):
+    assert main([cmd, "--model", "gpt:2x64", "--steps", "1", "--batch", "2", "--seq", "16", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: device 'cuda': torch sees no CUDA GPU on this machine")
+    assert "Runtime -> Change runtime type -> T4 GPU" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("cmd", ["train", "bench"])
+def test_bad_sizes_refused_alike(cmd, capsys):
+    assert main([cmd, "--model", "gpt:2x64", "--batch", "-4", "--seq", "16", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == "error: batch must be a positive whole number of sequences per step, got -4\n"
+
+
+# ----- item 7: output a reader can use, nothing from other libraries ----------------------------------------
+def test_cli_output_is_clean_and_explained(tmp_path):
+    runs = {
+        "env": ["env"],
+        "bench": ["bench", "--model", "gpt:2x64", "--steps", "1", "--batch", "2", "--seq", "16", "--plan", "galore:4",
+                  "--plan", "qlora:4", "--plan", "adam-mini"],
+        "train": ["train", "--model", "gpt:2x64", "--steps", "2", "--batch", "2", "--seq", "16", "--plan", "lora:4",
+                  "--checkpoint-dir", str(tmp_path / "c"), "--log", "csv", "--log-dir", str(tmp_path / "log")],
+        "estimate": ["estimate", "--model", "gpt:2x64", "--plan", "qlora:4", "--seq", "64"],
+        "estimate hf": ["estimate", "--model", "hf:openai-community/gpt2", "--plan", "qlora:8", "--seq", "128"],
+        "structured": ["structured", "--n", "128", "--rank", "4"],
+    }
+    procs = {k: _cli(*v, env={**ENV, "HF_HUB_OFFLINE": "1"}) for k, v in runs.items()}
+    outs = {k: p.communicate(timeout=600) for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, (k, outs[k][1][-2000:])
+        assert outs[k][1] == "", f"{k} wrote to stderr: {outs[k][1][:2000]}"  # no warnings, no 'Failed to load'
+    est = outs["estimate"][0]
+    assert not re.search(r"\d{1,3}(,\d{3})+ B", est) and "stand-in" not in est
+    assert re.search(r"the trace ran lora with 16-bit frozen weights \([\d.]+ [KMG]iB\); params counts them as the run "
+                     r"stores them \([\d.]+ [KMG]iB\), [\d.]+ [KMG]iB less", est), est
+    assert "each category: its own peak; step s: seconds per optimizer step" in outs["bench"][0]
+
+
+# ----- item 8: --help for every flag of every subcommand ----------------------------------------------------
+def test_every_flag_of_every_subcommand_has_help():
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command")
+    assert {"env", "bench", "train", "estimate", "plan", "largest", "calibrate", "structured"} <= set(subs.choices)
+    missing = [f"{name} {'/'.join(a.option_strings)}" for name, sp in subs.choices.items() for a in sp._actions
+               if a.dest != "help" and not (a.help or "").strip()]
+    assert missing == []
+    assert all(sp.description for sp in subs.choices.values())
+    train_plan = next(a for a in subs.choices["train"]._actions if a.dest == "plan")
+    assert train_plan.help.startswith("one plan") and "repeat" not in train_plan.help
+
+
+# ----- item 9: the console script, .gitignore, a self-contained CONTRIBUTING.md -----------------------------
+def test_console_script_entry_point(capsys):
+    from importlib.metadata import EntryPoint
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        value = tomllib.load(f)["project"]["scripts"]["colabkit"]
+    entry = EntryPoint(name="colabkit", value=value, group="console_scripts").load()
+    assert entry is main
+    with pytest.raises(SystemExit) as e:
+        entry(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: colabkit ")
+
+
+def test_what_runs_leave_behind_is_ignored():
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    names = [".venv/", "ckpt/", "runs/", "report/", "colabkit-oom-snapshot.json", "notebooks/memory_snapshot.json"]
+    p = subprocess.run(["git", "check-ignore", "--no-index", *names], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(p.stdout.split()) == sorted(names)
+
+
+def test_contributing_is_self_contained():
+    with open(os.path.join(ROOT, "CONTRIBUTING.md")) as f:
+        text = f.read()
+    assert "../" not in text and "DESIGN.md" not in text  # nothing outside the repository
+    for must in ("python -m pytest", "make test", "## Layout", "## Adding a technique", "## Adding a notebook"):
+        assert must in text, must
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        dev = tomllib.load(f)["project"]["optional-dependencies"]["dev"]
+    for tool in re.findall(r"`(nbstripout|ruff|black|flake8|mypy)\b", text):  # every tool it names is installed
+        assert any(d.startswith(tool) for d in dev), tool
