@@ -48,5 +48,20 @@ from .instruct import InstructData, generate
 from .hf import MemoryCallback, load_hf_4bit, prepare_model, training_arguments
 from .structured import HODLRMatrix, SemiseparableMatrix, SemiseparableMixing, structured_gpt, structured_report
 from .distributed import bench_sharded, consolidate, launch, train_sharded
+# notebooks 07-13: their charts, widgets and helpers (public, so a notebook imports nothing private)
+from .plots import charts, integer_axis, line_chart, phase_slots, plot_estimates, plot_per_rank, plot_timelines, series_style  # noqa: E402
+from .widgets import choices_widget, compatible_for, fit_view, token_picker, will_it_fit  # noqa: E402
+from .techniques.galore import galore_state_bytes, projected as galore_projected  # noqa: E402
+from .techniques.offload import STRATEGIES as OFFLOAD_STRATEGIES  # noqa: E402
+from .techniques.disk_offload import CHUNK_ELEMS as DISK_CHUNK_ELEMS, disk_bandwidth  # noqa: E402
+from .compare import tracker_vs_allocator  # noqa: E402
+from .estimate.planner import COST as PLAN_COSTS, pareto  # noqa: E402
+from .estimate.calibrate import NoGPUError, calibration_table  # noqa: E402
+from .techniques.lora import lora_adapter_params, target_modules  # noqa: E402
+from .models import logits_of  # noqa: E402
+from .estimate.zero import comm_elements  # noqa: E402
+from .resilience import describe_resume, kill_and_resume  # noqa: E402
+from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_saving, relative_error, scaling,  # noqa: E402
+                         sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
 __version__ = "0.1.0"

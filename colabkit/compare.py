@@ -7,6 +7,9 @@ True
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -66,9 +69,10 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq: int,
-                 gpu: str = "t4") -> list[dict[str, Any]]:
+                 gpu: str = "t4", world_size: int = 1) -> list[dict[str, Any]]:
     """Each measured plan next to what it would be at the real size: the estimator's prediction for
     ``model`` at ``batch`` x ``seq`` on the ``gpu`` profile, and the textbook formula at that size.
+    A sharded plan (``zero:N``) is predicted per GPU of ``world_size`` such GPUs sharing ``batch``.
 
     Smoke mode shrinks what is *measured*, never what is *predicted*: the prediction is a fake-tensor
     trace (nothing allocated), so a CPU answers for a T4-sized run in about a second per plan.
@@ -79,12 +83,13 @@ def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq:
     """
     rows = []
     for r in records:
+        ws = world_size if "zero" in str(r["plan"]) else 1
         row = {"plan": r["plan"], "measured_bytes": r.get("peak_bytes") if r.get("ok") else None,
                "measured_on": f"{r.get('model')}, {r.get('batch')}x{r.get('seq')}, {r.get('device')}",
                "predicted_bytes": None, "formula_bytes": None, "verdict": None,
                "predicted_for": f"{model}, {batch}x{seq}, {gpu}", "error": r.get("error")}
         try:
-            est = estimate(model, r["plan"], batch=batch, seq=seq, gpu=gpu)
+            est = estimate(model, r["plan"], batch=batch, seq=seq, gpu=gpu, world_size=ws)
             row.update(predicted_bytes=est["peak_bytes"], verdict=est["verdict"],
                        formula_bytes=int(est["analytic"]["total"]) if "analytic" in est else None)
         except (PlanError, ValueError) as e:
@@ -105,3 +110,58 @@ def side_by_side_table(rows: Sequence[dict[str, Any]]) -> str:
     lines.append(f"measured: {rows[0]['measured_on']}; predicted and formula: {rows[0]['predicted_for']} "
                  "(predictions, nothing allocated)")
     return "\n".join(lines)
+
+
+# ---- notebooks 07-13 ----
+@contextlib.contextmanager
+def _fd2_silenced():
+    """torch.profiler's C++ side writes "profiler_start"/"profiler_stop" lines straight to file descriptor 2,
+    which a notebook shows in the cell: point fd 2 at /dev/null meanwhile (Python's sys.stderr is untouched,
+    and an exception raised inside still propagates)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def tracker_vs_allocator(make_model: Any, plan: str = "baseline", batch: int = 4, seq: int = 64, steps: int = 2,
+                         outside: int = 0) -> tuple[int, int]:
+    """``(tracker's peak, allocator's peak)`` in bytes for ``steps`` CPU training steps of ``make_model()``
+    under ``plan``, both windows opening on nothing: the allocator's is torch's own accounting, the running
+    sum of ``torch.profiler``'s ``[memory]`` events (:func:`colabkit.estimate.calibrate.allocator_peak`),
+    an independent check of the tracker. Garbage of earlier work collected *inside* the window would show
+    as frees of memory the profiler never saw allocated, so the cyclic GC runs first and is paused
+    meanwhile. ``outside`` bytes are allocated after the tracker closed (a negative control).
+
+    >>> from colabkit.models import build_model
+    >>> tracked, alloc = tracker_vs_allocator(lambda: build_model("gpt:1x32"), steps=1, batch=2, seq=16)
+    >>> abs(tracked - alloc) <= 0.02 * alloc
+    True
+    """
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from .estimate.calibrate import allocator_peak
+    from .memory import MemoryTracker
+
+    x = torch.randint(0, 256, (batch, seq))
+    tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62)
+    gc.collect()
+    gc.disable()
+    try:
+        with _fd2_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with tracker:
+                trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
+                for i in range(steps):
+                    tracker.set_step(i)
+                    trainer.step(x, x)
+            extra = torch.empty(outside, dtype=torch.uint8) if outside else None  # noqa: F841
+    finally:
+        gc.enable()
+    return tracker.report()["peak_bytes"], allocator_peak(prof)

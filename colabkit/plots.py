@@ -620,3 +620,230 @@ def show(fig=None) -> None:
 
         display(fig)
         plt.close(fig)
+
+
+# ---- notebooks 07-13 ----
+# Charts several notebooks share: runs overlaid on one timeline, curves a reader can tell apart (colour,
+# line style and marker all differ), readable log axes, a predicted breakdown against a GPU's capacity,
+# and per-rank bars with the measurement next to the prediction.
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">")
+
+
+def series_style(i: int) -> dict[str, Any]:
+    """Colour, line style and marker of the i-th series: no two of the first 40 share all three, so
+    curves that lie on top of each other stay distinguishable.
+
+    >>> series_style(0), series_style(5)["linestyle"]
+    ({'color': 'C0', 'linestyle': '-', 'marker': 'o'}, '--')
+    """
+    return {"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)]}
+
+
+def integer_axis(axis) -> None:
+    """Ticks only at whole numbers (steps, K, ranks, world sizes)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def phase_slots(samples: Sequence[dict]) -> tuple[list[float], list[float], list[str]]:
+    """``(edges, peaks, phases)``: each training phase of ``samples`` as one slot, a step's phases side by
+    side in equal slots of [step, step+1) in the order they ran; ``peaks`` is each phase's peak in bytes
+    (len(edges) == len(peaks) + 1). The tracker's setup and end samples are not phases.
+
+    >>> s = [{"step": 0, "phase": p, "phase_peak": b} for p, b in (("forward", 3), ("backward", 5), ("optimizer", 4))]
+    >>> phase_slots(s + [{"step": 0, "phase": "end", "phase_peak": 9}])
+    ([0.0, 0.3333333333333333, 0.6666666666666666, 1.0], [3, 5, 4], ['forward', 'backward', 'optimizer'])
+    """
+    rows = [s for s in samples if s.get("phase") in PHASE_COLORS]
+    per_step: dict[int, int] = {}
+    for s in rows:
+        per_step[s.get("step", 0)] = per_step.get(s.get("step", 0), 0) + 1
+    edges, seen = [], dict.fromkeys(per_step, 0)
+    for s in rows:
+        k = s.get("step", 0)
+        edges.append(k + seen[k] / per_step[k])
+        seen[k] += 1
+    edges.append(float(max(per_step) + 1) if per_step else 0.0)
+    peaks = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in rows]
+    return [float(e) for e in edges], peaks, [s["phase"] for s in rows]
+
+
+def _styled_legend(ax, handles, **kw) -> None:
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, **kw)
+
+
+def plot_timelines(runs: dict[str, Sequence[dict]], budget_bytes: int | None = None, title: str = ""):
+    """Several runs' device memory on one timeline: each phase's peak as a step line per run (colour,
+    line style and a marker at the slot's centre differ per run), the phases of the first run shaded.
+
+    >>> s = [{"step": 0, "phase": p, "phase_peak": b} for p, b in (("forward", 3), ("backward", 5), ("optimizer", 4))]
+    >>> fig = plot_timelines({"a": s, "b": s}, title="t"); audit(fig)
+    []
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    slots = {name: phase_slots(samples) for name, samples in runs.items()}
+    top = max([max(p, default=0) for _, p, _ in slots.values()] + [1])
+    unit, size = byte_unit(top)
+    handles, shaded = [], []
+    edges0, _, phases0 = next(iter(slots.values()))
+    for a, b, ph in zip(edges0, edges0[1:], phases0):
+        ax.axvspan(a, b, color=PHASE_COLORS[ph], lw=0, zorder=0)
+        if ph not in shaded:
+            shaded.append(ph)
+            handles.append(Patch(color=PHASE_COLORS[ph], label=f"{ph} phase"))
+    for i, (name, (edges, peaks, _)) in enumerate(slots.items()):
+        st = series_style(i)
+        ax.stairs([p / size for p in peaks], edges, baseline=None, color=st["color"], linestyle=st["linestyle"], lw=1.6)
+        centres = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        ax.plot(centres, [p / size for p in peaks], ls="none", marker=st["marker"], ms=4, color=st["color"])
+        handles.append(Line2D([], [], lw=1.6, ms=4, label=name, **st))
+    if budget_bytes:
+        _budget(ax, budget_bytes, top, size)
+        handles += [h for h in ax.get_legend_handles_labels()[0] if h.get_label().startswith("budget")]
+    ax.set_ylim(bottom=0)
+    integer_axis(ax.xaxis)
+    ax.set_xlabel("optimizer step (each step's phases side by side)")
+    ax.set_ylabel(f"device memory, peak in phase ({unit})")
+    ax.set_title(title or "device memory by phase", fontsize=9)
+    _styled_legend(ax, handles)
+    fig.tight_layout()
+    return fig
+
+
+def _log_axis(axis, values: Sequence[float]) -> None:
+    """A log axis a reader can read: at most 8 distinct data values become the ticks, written plainly
+    (256, 1024, 0.5), with no minor-tick labels crowding them; otherwise decades only."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+    vals = sorted({float(v) for v in values if v and v > 0})
+    if 1 < len(vals) <= 8:
+        axis.set_major_locator(FixedLocator(vals))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_locator(NullLocator())
+    else:
+        axis.set_major_locator(LogLocator(base=10, numticks=8))
+        axis.set_minor_formatter(NullFormatter())
+
+
+def line_chart(ax, series: dict[str, Any], xlabel: str, ylabel: str, title: str = "", log: str = "",
+               integer_x: bool = False, ticks_at_data: bool = True, styles: dict[str, int] | None = None,
+               marks: dict[str, float] | None = None) -> None:
+    """Draw ``series`` (label -> y values at x = 1, 2, ... or an ``(xs, ys)`` pair; None values skipped)
+    into ``ax``, each in its own colour, line style and marker (``styles``: label -> :func:`series_style`
+    index, so a label looks the same in every panel). ``log``: "x", "y" or "xy"; a log x axis is ticked
+    at the data's x values (when ``ticks_at_data``), written plainly. ``marks``: label -> x of a dotted
+    vertical line (an event: "killed here")."""
+    all_x: list[float] = []
+    for i, (label, data) in enumerate(series.items()):
+        i = (styles or {}).get(label, i)
+        xs, ys = data if isinstance(data, tuple) else (list(range(1, len(data) + 1)), data)
+        pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        all_x += [x for x, _ in pts]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1.4, ms=4, label=label, **series_style(i))
+    for label, x in (marks or {}).items():
+        ax.axvline(x, color="0.4", ls=":", lw=1.2, label=label)
+    if "x" in log:
+        ax.set_xscale("log")
+        if ticks_at_data:
+            _log_axis(ax.xaxis, all_x)
+    if "y" in log:
+        ax.set_yscale("log")
+        _log_axis(ax.yaxis, [])
+    if integer_x and "x" not in log:
+        integer_axis(ax.xaxis)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def charts(*panels: dict[str, Any], width: float = 5.5, height: float = 3.6):
+    """One figure with a :func:`line_chart` per panel (each a dict of its arguments), side by side; a
+    label keeps its colour, line style and marker across the panels.
+
+    >>> fig = charts(dict(series={"a": [3, 2, 1]}, xlabel="step (count)", ylabel="loss (nats)", title="t"))
+    >>> audit(fig)
+    []
+    """
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), height), squeeze=False)
+    labels = list(dict.fromkeys(label for panel in panels for label in panel["series"]))
+    for ax, panel in zip(axes[0], panels):
+        line_chart(ax, **{"styles": {label: i for i, label in enumerate(labels)}, **panel})
+    fig.tight_layout()
+    return fig
+
+
+def plot_estimates(estimates: Sequence[dict[str, Any]], title: str = ""):
+    """Predicted memory at the peak of each estimate as one horizontal bar: the categories at the peak,
+    then what the GPU adds (its overheads, hatched), against the capacity the estimates were judged by
+    (their own ``budget_bytes``: one source for the line and the verdict). The verdict ends each bar."""
+    from matplotlib.patches import Patch
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.5, 0.7 * len(estimates) + 1.6))
+    budget = estimates[0]["budget_bytes"]
+    top = max([budget] + [r["resources"]["device"]["need"] if "resources" in r else r["peak_bytes"] for r in estimates])
+    unit, size = byte_unit(top)
+    for i, r in enumerate(estimates):
+        left = 0.0
+        for c in [c for c in CATEGORIES if r["at_peak"][c]]:
+            ax.barh(i, r["at_peak"][c] / size, left=left, color=CATEGORY_COLORS[c])
+            left += r["at_peak"][c] / size
+        extra = sum((r.get("overheads") or {}).values()) / size
+        ax.barh(i, extra, left=left, color="#bbbbbb", hatch="//")
+        ax.text(left + extra, i, f" {r.get('verdict') or ('fits' if r.get('fits') else 'does not fit')}",
+                va="center", fontsize=8)
+    profile = (estimates[0].get("device") or "").upper()
+    ax.axvline(budget / size, color="k", ls="--", lw=1)
+    ax.set_yticks(range(len(estimates)), [f"{r['model']}\n{r['plan']}" for r in estimates], fontsize=8)
+    ax.set_ylabel("model and plan (names)")
+    ax.set_xlim(0, top / size * 1.25)
+    ax.set_xlabel(f"predicted memory at the peak ({unit})")
+    ax.set_title(title or f"will it fit? predicted for a {profile}", fontsize=9)
+    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if any(r["at_peak"][c] for r in estimates)]
+    handles += [Patch(facecolor="#bbbbbb", hatch="//", label="GPU overheads"),
+                plt.Line2D([], [], color="k", ls="--", lw=1, label=f"{profile} capacity {budget / size:.2f} {unit}")]
+    _styled_legend(ax, handles)
+    fig.tight_layout()
+    return fig
+
+
+def plot_per_rank(measured: dict[str, dict[str, int]], predicted: dict[str, dict[str, int]],
+                  title: str = "per-rank memory: measured next to predicted"):
+    """For each stage (or run) two stacked bars side by side — measured (solid) and predicted (hatched) —
+    of the categories of one rank, so where the prediction misses is visible per category."""
+    from matplotlib.patches import Patch
+
+    plt = _plt()
+    names = list(measured)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(names) + 2.5), 3.8))
+    top = max(sum(b.values()) for b in [*measured.values(), *predicted.values()]) or 1
+    unit, size = byte_unit(top)
+    for i, name in enumerate(names):
+        for dx, src, hatch in ((-0.2, measured, None), (0.2, predicted, "//")):
+            if name not in src:
+                continue
+            bottom = 0.0
+            for c in CATEGORIES:
+                v = src[name].get(c, 0) / size
+                if v:  # an empty category draws nothing (and needs no legend entry)
+                    ax.bar(i + dx, v, width=0.38, bottom=bottom, color=CATEGORY_COLORS[c], hatch=hatch, edgecolor="white")
+                bottom += v
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlabel("stage (left bar measured, right bar predicted)")
+    ax.set_ylabel(f"one rank's memory, categories stacked ({unit})")
+    ax.set_title(title, fontsize=9)
+    shown = [c for c in CATEGORIES if any(b.get(c) for b in [*measured.values(), *predicted.values()])]
+    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in shown]
+    handles += [Patch(facecolor="white", edgecolor="k", label="measured"),
+                Patch(facecolor="white", edgecolor="k", hatch="//", label="predicted")]
+    _styled_legend(ax, handles)
+    fig.tight_layout()
+    return fig

@@ -222,3 +222,148 @@ def explore(fn: Callable[..., Any], controls: Mapping[str, Any]):
     ui = W.VBox(list(controls.values()) + [out])
     display(ui)
     return ui
+
+
+# ---- notebooks 07-13 ----
+# Widgets the later notebooks share. Each one is wiring only: it calls a plain function the notebook
+# also calls once with the default choice, so CI runs the code path a click runs.
+def compatible_for(plan: str, token: str, where: Context | str | None = None) -> str | None:
+    """:func:`colabkit.compatible` in the context the run will happen in: a :class:`Context` (this
+    machine's device, ``offload_sim``), or a GPU profile name such as ``"t4"``: every technique's check
+    as a T4 run applies it (no bf16, fp16 with a GradScaler, CUDA-only offload rules), from any machine.
+    None when ``token`` can be added to ``plan``, else the reason.
+
+    >>> compatible_for("fused-step", "fp16", "t4")[:28]
+    "'fused-step' with 'fp16': th"
+    >>> compatible_for("baseline", "bf16", "t4") is not None, compatible_for("baseline", "adamw8bit", "t4")
+    (True, None)
+    """
+    if isinstance(where, str):
+        return plan_reason(plan, token, gpu=where)
+    return plan_reason(plan, token, ctx=where)
+
+
+def _run_into(out, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with its prints and charts going to the ``Output`` ``out`` (cleared first)."""
+    with out:
+        out.clear_output(wait=True)
+        return fn()
+
+
+def choices_widget(fn: Callable[..., Any], choices: dict[str, Sequence[Any]], button: str | None = None,
+                   defaults: dict[str, Any] | None = None, title: str = ""):
+    """A dropdown per argument of ``fn`` (``choices``: name -> options; ``defaults`` or the first option
+    preselected) above an ``Output``: ``fn(**chosen)`` runs there when a choice changes, or only when the
+    ``button`` is pressed if one is named (for choices that take seconds to run). Returns the widget box.
+    The notebook calls ``fn`` with the defaults itself: that is what CI runs."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    defaults = defaults or {}
+    drops = {k: W.Dropdown(options=list(v), value=defaults.get(k, list(v)[0]), description=k,
+                           style={"description_width": "initial"}) for k, v in choices.items()}
+    out = W.Output()
+
+    def run(_=None) -> None:
+        _run_into(out, lambda: fn(**{k: d.value for k, d in drops.items()}))
+
+    row: list[Any] = list(drops.values())
+    if button:
+        b = W.Button(description=button, button_style="primary")
+        b.on_click(run)
+        row.append(b)
+    else:
+        for d in drops.values():
+            d.observe(run, names="value")
+    ui = W.VBox(([W.HTML(f"<b>{title}</b>")] if title else []) + [W.HBox(row), out])
+    display(ui)
+    return ui
+
+
+def token_picker(tokens: Sequence[str], on_run: Callable[[str], Any], where: Context | str | None = None,
+                 chosen: Sequence[str] = (), button: str = "Run", title: str = "Pick techniques"):
+    """A checkbox per token; a token that cannot join the ticked ones in ``where`` (see
+    :func:`compatible_for`) is disabled and its reason listed; the button calls ``on_run(plan)`` with
+    prints and charts below it. Returns the widget box."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    boxes = {t: W.Checkbox(value=t in chosen, description=t, indent=False, layout=W.Layout(width="190px"))
+             for t in tokens}
+    why, out = W.HTML(), W.Output()
+    run_b = W.Button(description=button, button_style="primary")
+
+    def ticked() -> list[str]:
+        return [t for t, b in boxes.items() if b.value]
+
+    def refresh(_=None) -> None:
+        plan = plan_from_choices(ticked())
+        off = {t: r for t in tokens if t not in ticked() and (r := compatible_for(plan, t, where))}
+        for t, b in boxes.items():
+            b.disabled = t in off
+        why.value = reasons_html(off)
+
+    for b in boxes.values():
+        b.observe(refresh, names="value")
+    run_b.on_click(lambda _: _run_into(out, lambda: on_run(plan_from_choices(ticked()))))
+    refresh()
+    ui = W.VBox([W.HTML(f"<b>{title}</b> (greyed out: refused with your choice here)"),
+                 W.GridBox(list(boxes.values()), layout=W.Layout(grid_template_columns="repeat(4, 200px)")),
+                 why, run_b, out])
+    display(ui)
+    return ui
+
+
+def fit_view(model: str, plan: str, batch: int, seq: int, gpu: str = "t4") -> dict[str, Any] | None:
+    """Will ``model`` train with ``plan`` at ``batch`` x ``seq`` on ``gpu``? Prints the verdict and each
+    category's predicted bytes (own peak, at the peak), draws the breakdown against that GPU's capacity,
+    and returns the estimate; a refused plan prints the reason and returns None."""
+    from .estimate import estimate
+    from .memory import CATEGORIES, fmt_bytes
+    from .plan import PlanError
+    from .plots import plot_estimates, show
+
+    try:
+        r = estimate(model, plan, batch=batch, seq=seq, gpu=gpu)
+    except (PlanError, ValueError) as e:
+        print(f"{model}  plan {plan}: refused -- {e}")
+        return None
+    d = r["resources"]["device"]
+    print(f"{model}  plan {plan}  batch {batch} x seq {seq} on {gpu.upper()}: {r['verdict']} "
+          f"(needs {fmt_bytes(d['need'])} of {fmt_bytes(d['budget'])})")
+    print(f"{'category':<12} {'own peak':>10} {'at peak':>10}")
+    for c in CATEGORIES:
+        print(f"{c:<12} {fmt_bytes(r['breakdown'][c]):>10} {fmt_bytes(r['at_peak'][c]):>10}")
+    show(plot_estimates([r]))
+    return r
+
+
+def will_it_fit(models: Sequence[str], tokens: Sequence[str], batch: int, seq: int, chosen: Sequence[str] = (),
+                gpu: str = "t4"):
+    """Pick a model and plan tokens: the prediction (:func:`fit_view`) redraws below as choices change;
+    a token a ``gpu`` run would refuse with the ticked ones is disabled, its reason listed. Returns
+    ``(widget box, the estimate of the initial choice)``."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    model_w = W.Dropdown(options=list(dict.fromkeys(models)), description="model")
+    boxes = {t: W.Checkbox(value=t in chosen, description=t, indent=False, layout=W.Layout(width="170px"))
+             for t in tokens}
+    why, out = W.HTML(), W.Output()
+    last: dict[str, Any] = {}
+
+    def refresh(_=None) -> None:
+        ticked = [t for t, b in boxes.items() if b.value]
+        plan = plan_from_choices(ticked)
+        off = {t: r for t in tokens if t not in ticked and (r := compatible_for(plan, t, gpu))}
+        for t, b in boxes.items():
+            b.disabled = t in off
+        why.value = reasons_html(off)
+        last["estimate"] = _run_into(out, lambda: fit_view(model_w.value, plan, batch, seq, gpu))
+
+    for w in (model_w, *boxes.values()):
+        w.observe(refresh, names="value")
+    ui = W.VBox([model_w, W.HBox(list(boxes.values())), why, out])
+    display(ui)
+    refresh()
+    return ui, last["estimate"]

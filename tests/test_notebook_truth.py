@@ -55,12 +55,7 @@ _spec.loader.exec_module(hooks)
 
 
 def _params():
-    out = []
-    for p in NOTEBOOKS:
-        reason = hooks.PENDING.get(os.path.basename(p)[:2])
-        out.append(pytest.param(p, id=os.path.basename(p),
-                                marks=[pytest.mark.xfail(strict=False, reason=reason)] if reason else []))
-    return out
+    return [pytest.param(p, id=os.path.basename(p)) for p in NOTEBOOKS]
 
 
 def _cells(path, kind):

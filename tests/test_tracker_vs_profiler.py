@@ -15,18 +15,13 @@ activation term against the published per-layer formula.
    and SDPA's log-sum-exp (< 0.2%). The test asserts that to 1% and the published figure to the
    dropout terms; a model with dropout (negative control) breaks the no-dropout count.
 """
-import gc
-
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import colabkit.techniques  # noqa: F401  (registers the plan tokens)
-from colabkit.estimate.calibrate import allocator_peak
+from colabkit.compare import tracker_vs_allocator
 from colabkit.estimate.trace import trace
-from colabkit.memory import MemoryTracker
 from colabkit.models import build_model
-from colabkit.trainer import Trainer
 
 
 def gpt2_hf():
@@ -42,24 +37,9 @@ PLANS = ["baseline", "checkpoint", "accum:2", "adafactor", "fused-step", "compre
 
 def tracked_and_allocator(make_model, plan, batch=4, seq=64, steps=2, outside=0):
     """Build the Trainer and run ``steps`` steps under both the tracker and the profiler (both start
-    from nothing); ``outside`` bytes are allocated after the tracker closed (the negative control)."""
-    x = torch.randint(0, 256, (batch, seq))
-    tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62)
-    # Garbage of earlier tests collected *inside* the window would show in the profiler as frees of memory
-    # it never saw allocated, lowering its running sum: collect first, and pause the cyclic GC meanwhile.
-    gc.collect()
-    gc.disable()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with tracker:
-                trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
-                for i in range(steps):
-                    tracker.set_step(i)
-                    trainer.step(x, x)
-            extra = torch.empty(outside, dtype=torch.uint8) if outside else None  # noqa: F841
-    finally:
-        gc.enable()
-    return tracker.report()["peak_bytes"], allocator_peak(prof)
+    from nothing, the cyclic GC paused: colabkit.tracker_vs_allocator, which notebook 09 runs too);
+    ``outside`` bytes are allocated after the tracker closed (the negative control)."""
+    return tracker_vs_allocator(make_model, plan, batch=batch, seq=seq, steps=steps, outside=outside)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -141,8 +141,9 @@ def pareto(rows: list[dict[str, Any]], ax=None, budget_bytes: int | None = None,
         ax.axhline(budget_bytes / GiB, color="gray", ls=":", label="budget")
     ax.set_xlabel("predicted step-time overhead vs baseline (%)")
     ax.set_ylabel("predicted peak (GiB)")
-    ax.scatter([], [], color="tab:green", label="fits")
-    ax.scatter([], [], color="tab:red", label="does not fit")
+    for fits, color, label in ((True, "tab:green", "fits"), (False, "tab:red", "does not fit")):
+        if any(p[3] == fits for p in pts):  # a legend entry only for markers the chart shows
+            ax.scatter([], [], color=color, label=label)
     ax.set_title(title or "plans: predicted memory vs step-time cost", fontsize=9)
     ax.legend(fontsize=8)
     return ax

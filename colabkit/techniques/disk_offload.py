@@ -343,3 +343,28 @@ register(Technique(
     wrap_optimizer=_wrap,
     order=46,
 ))
+
+
+def disk_bandwidth(directory: str | None = None, nbytes: int = 64 * 2**20) -> tuple[float, float]:
+    """``(write, read)`` bytes per second of the disk behind ``directory`` (default: :func:`offload_dir`):
+    ``nbytes`` written and fsynced, then read back, timed by the wall clock (waiting for a disk is not
+    CPU time). The read may come from the page cache, faster than the disk: the write is the honest figure.
+
+    >>> w, r = disk_bandwidth(tempfile.mkdtemp(), nbytes=1 << 16)
+    >>> w > 0 and r > 0
+    True
+    """
+    import time
+
+    path, data = os.path.join(offload_dir(directory), "colabkit-bandwidth.bin"), os.urandom(nbytes)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    t1 = time.perf_counter()
+    with open(path, "rb") as f:
+        f.read()
+    t2 = time.perf_counter()
+    os.remove(path)
+    return nbytes / (t1 - t0), nbytes / (t2 - t1)
