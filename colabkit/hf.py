@@ -30,7 +30,8 @@ compress:int8, attention:X    model        their forward context around ``model.
 checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
 fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
 galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
-params/disk, zero:N
+params/disk, zero:N,                        chunked-ce: colabkit.Trainer, or ``use_liger_kernel=True`` on a GPU
+chunked-ce
 ============================  ===========  ==================================================================
 
 >>> sorted(loop_arguments("fp16+accum:4+adamw8bit", "cpu").items())
@@ -78,6 +79,9 @@ _REFUSED = {
     "offload:disk": "transformers' Trainer builds and steps its own optimizer on the device: use colabkit.Trainer(model, plan)",
     "offload:params": "transformers' Trainer moves the whole model to the device: use colabkit.Trainer(model, plan), or "
                       "load the model with accelerate's device_map offload",
+    "chunked-ce": "transformers' Trainer gives the labels to the model, which computes its loss from the full logits "
+                  "inside forward: use colabkit.Trainer(model, plan) for chunked-ce, or on a GPU transformers' own "
+                  "TrainingArguments(use_liger_kernel=True) (Liger Kernel's fused linear cross-entropy, with its other kernels)",
     "zero": "transformers' Trainer shards through accelerate (TrainingArguments(fsdp=...), launched by accelerate "
             "or torchrun); colabkit's zero:N runs with colabkit.train(..., world_size=N)",
 }
