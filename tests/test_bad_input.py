@@ -243,6 +243,6 @@ def test_chunked_ce_where_it_cannot_apply():
         Trainer(build_model("gpt-tiny"), "chunked-ce", device="cpu", loss_fn=lambda out, labels, n: out.sum())
     pytest.importorskip("transformers")
     from colabkit.hf import training_arguments
-    with pytest.raises(PlanError, match=r"'chunked-ce': transformers' Trainer gives the labels to the model .* use "
+    with pytest.raises(PlanError, match=r"'chunked-ce': transformers' Trainer gives the labels to the model, .*: use "
                                         r"colabkit.Trainer\(model, plan\) for chunked-ce"):
         training_arguments("chunked-ce", output_dir="unused", report_to="none")
