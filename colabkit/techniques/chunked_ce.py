@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data import IGNORE_INDEX
+from ..memory import MemoryTracker
 from ..plan import Context, Plan, PlanError, Technique, register
 
 AUTO = 0  # the plan's value for ``chunked-ce`` without C: chunk size from the shapes (auto_chunk)
@@ -274,3 +275,41 @@ register(Technique(
     examples=("chunked-ce", "chunked-ce:1024"),
     order=70,
 ))
+
+
+# ----- measurement: the logits' memory against vocabulary and sequence -------------------------------
+def logits_memory(vocabs=(8000, 32000), seqs=(512,), chunk: int | None = AUTO, width: int = 128, batch: int = 1,
+                  device: str | torch.device | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Measure the LM head + cross-entropy alone (forward + backward, fp16 autocast on a GPU, fp32 on the
+    CPU) with :class:`~colabkit.memory.MemoryTracker` at each vocabulary x sequence: ``chunk=None`` the
+    plain ``F.cross_entropy`` of the full logits, else :func:`chunked_cross_entropy` with that chunk
+    (``AUTO``: :func:`auto_chunk`). ``activations`` is the forward's own peak beyond the hidden states
+    and weight, ``peak_bytes`` the peak over forward and backward, ``formula`` :func:`logits_bytes`.
+
+    >>> plain, chunked = (logits_memory((4096,), (256,), c, width=64)[0] for c in (None, 64))
+    >>> abs(plain["activations"] - plain["formula"]) < 1024, chunked["activations"] < plain["activations"] / 3
+    (True, True)
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    half = dev.type == "cuda"
+    rows = []
+    for vocab in vocabs:
+        for seq in seqs:
+            g = torch.Generator().manual_seed(seed)
+            n = batch * seq
+            h = torch.randn(n, width, generator=g).to(dev).requires_grad_()  # (N, D): before the tracker starts
+            w = (torch.randn(vocab, width, generator=g) * 0.02).to(dev).requires_grad_()  # (V, D)
+            y = torch.randint(0, vocab, (n,), generator=g).to(dev)
+            c = None if chunk is None else (chunk or auto_chunk(n, vocab, width))
+            with MemoryTracker(device=dev, alert_at=None) as mt:
+                with mt.phase("forward"), torch.autocast(dev.type, dtype=torch.float16, enabled=half):
+                    loss = (F.cross_entropy(F.linear(h, w).float(), y, reduction="sum") if c is None
+                            else chunked_cross_entropy(h, w, y, chunk=c))
+                with mt.phase("backward"):
+                    loss.backward()
+            r = mt.report()
+            rows.append({"vocab": vocab, "seq": seq, "batch": batch, "chunk": c, "activations": r["breakdown"]["activations"],
+                         "peak_bytes": r["tracked_peak_bytes"], "loss": float(loss.detach()),
+                         "formula": logits_bytes(n, vocab, c, half), "device": str(dev)})
+            del h, w, y, loss
+    return rows
