@@ -284,7 +284,8 @@ def logits_memory(vocabs=(8000, 32000), seqs=(512,), chunk: int | None = AUTO, w
     CPU) with :class:`~colabkit.memory.MemoryTracker` at each vocabulary x sequence: ``chunk=None`` the
     plain ``F.cross_entropy`` of the full logits, else :func:`chunked_cross_entropy` with that chunk
     (``AUTO``: :func:`auto_chunk`). ``activations`` is the forward's own peak beyond the hidden states
-    and weight, ``peak_bytes`` the peak over forward and backward, ``formula`` :func:`logits_bytes`.
+    and weight, ``peak_bytes`` the peak over forward and backward, ``formula`` :func:`logits_bytes` (plus
+    autocast's fp16 copy of the weight on a GPU).
 
     >>> plain, chunked = (logits_memory((4096,), (256,), c, width=64)[0] for c in (None, 64))
     >>> abs(plain["activations"] - plain["formula"]) < 1024, chunked["activations"] < plain["activations"] / 3
@@ -310,6 +311,7 @@ def logits_memory(vocabs=(8000, 32000), seqs=(512,), chunk: int | None = AUTO, w
             r = mt.report()
             rows.append({"vocab": vocab, "seq": seq, "batch": batch, "chunk": c, "activations": r["breakdown"]["activations"],
                          "peak_bytes": r["tracked_peak_bytes"], "loss": float(loss.detach()),
-                         "formula": logits_bytes(n, vocab, c, half), "device": str(dev)})
+                         # under autocast the forward also holds the head's fp16 weight copy (V, D)
+                         "formula": logits_bytes(n, vocab, c, half) + 2 * vocab * width * half, "device": str(dev)})
             del h, w, y, loss
     return rows
