@@ -196,6 +196,8 @@ def test_refusals_and_the_model_outside_training():
     m.lm_head = Scaled(64, 256, bias=False)
     with pytest.raises(PlanError, match="plain nn.Linear"):
         Trainer(m, "chunked-ce", device="cpu")
+    with pytest.raises(PlanError, match="use zero:2 or zero:1 with chunked-ce"):  # measured: FSDP2 frees the head
+        Trainer(build_model("gpt-tiny"), "zero:3+chunked-ce", device="cpu")     # weight before the recompute
     for bad in ("chunked-ce:0", "chunked-ce:x"):
         with pytest.raises(PlanError, match="positive whole number"):
             Plan.parse(bad)

@@ -238,6 +238,14 @@ def prepare_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def _check(plan: Plan, ctx: Context) -> None:
+    if plan.get("zero") == 3:
+        raise PlanError("chunked-ce and zero:3 conflict: FSDP frees the gathered LM head weight after the forward and "
+                        "gathers it again only for gradients flowing into the model's outputs, while chunked-ce "
+                        "recomputes the logits from that weight inside the loss's backward; use zero:2 or zero:1 "
+                        "with chunked-ce")
+
+
 def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     ctx.loss_from_head = "chunked-ce"  # the Trainer keeps the labels from the model and refuses loss_fn=
     return prepare_head(model)
@@ -270,6 +278,7 @@ register(Technique(
     help="LM head + cross-entropy over chunks of C token rows, logits recomputed in backward: the (B, S, V) "
          "logits never exist (default C: a chunk's logits the size of the hidden states)",
     parse=_parse,
+    check=_check,
     prepare_model=_prepare,
     forward_context=lambda plan, ctx: chunked_logits(plan.get("chunked-ce")),
     examples=("chunked-ce", "chunked-ce:1024"),
