@@ -241,8 +241,5 @@ def test_chunked_ce_where_it_cannot_apply():
     with pytest.raises(PlanError, match=r"chunked-ce computes the cross-entropy of the labels itself, .*: drop loss_fn="):
         from colabkit.trainer import Trainer
         Trainer(build_model("gpt-tiny"), "chunked-ce", device="cpu", loss_fn=lambda out, labels, n: out.sum())
-    pytest.importorskip("transformers")
-    from colabkit.hf import training_arguments
-    with pytest.raises(PlanError, match=r"'chunked-ce': transformers' Trainer gives the labels to the model, .*: use "
-                                        r"colabkit.Trainer\(model, plan\) for chunked-ce"):
-        training_arguments("chunked-ce", output_dir="unused", report_to="none")
+    with pytest.raises(PlanError, match=r"chunked-ce and zero:3 conflict: .* use zero:2 or zero:1 with chunked-ce"):
+        _train(plan="zero:3+chunked-ce")

@@ -204,3 +204,45 @@ def test_refusals_and_the_model_outside_training():
     t = Trainer(build_model("gpt-tiny"), "chunked-ce", device="cpu")
     assert isinstance(t.step(x, y), float)
     assert t.model(x).shape == (2, 8, 256)  # generation and your own calls: logits as before
+
+
+def test_transformers_trainer_through_hf_prepare_model(tmp_path, monkeypatch):
+    """transformers' Trainer gives the labels to the model: hf.prepare_model makes it compute the chunked loss
+    itself, divided by the window's num_items_in_batch; with padded micro-batches of different lengths and
+    gradient accumulation the logged losses equal the unchunked run's (1e-5) over steps whose updates
+    depend on the gradients. Negative control: dividing by each micro-batch's own count is detected."""
+    tf = pytest.importorskip("transformers")
+    import functools
+
+    from colabkit import hf
+
+    x, y = _tokens(8, 32, 3000)
+    y[1, 5:], y[2, 20:], y[5, 9:] = IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX
+    data = [{"input_ids": x[i], "labels": y[i]} for i in range(8)]
+
+    def losses(plan):
+        torch.manual_seed(0)
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=3000, n_positions=64))
+        model = hf.prepare_model(model, plan, device="cpu")
+        args = hf.training_arguments(plan, output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=2,
+                                     logging_steps=1, report_to="none", learning_rate=1e-2, save_strategy="no",
+                                     disable_tqdm=True, use_cpu=True, seed=0)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    base = losses("accum:2")
+    calls = []
+    real = ChunkedCrossEntropy.forward
+    monkeypatch.setattr(ChunkedCrossEntropy, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    assert losses("chunked-ce:16+accum:2") == pytest.approx(base, rel=1e-5) and calls
+    wrap = hf.loss_in_forward
+
+    def per_micro_mean(model, chunk):  # the control: each micro-batch divided by its own token count
+        wrap(model, chunk)
+        f = model.forward
+        model.forward = functools.wraps(f)(lambda *a, **k: f(*a, **{n: v for n, v in k.items() if n != "num_items_in_batch"}))
+
+    monkeypatch.setattr(hf, "loss_in_forward", per_micro_mean)
+    wrong = losses("chunked-ce:16+accum:2")
+    assert wrong != pytest.approx(base, rel=1e-3)

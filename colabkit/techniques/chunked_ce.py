@@ -23,7 +23,11 @@ How it hooks in: the technique replaces the LM head's ``forward`` on the model (
 :class:`ChunkedLogits` -- its input and weights -- instead of logits, and :func:`colabkit.batches.summed_loss`
 asks it for its cross-entropy. Outside that context (generation, your own calls) the head computes logits
 as before. It sets ``ctx.loss_from_head``, so the Trainer keeps the labels from the model (a transformers
-model would otherwise compute its own loss from full logits) and refuses a ``loss_fn=``.
+model would otherwise compute its own loss from full logits) and refuses a ``loss_fn=``. With transformers'
+Trainer, which gives the labels to the model, ``colabkit.hf.prepare_model`` also wraps the model's forward
+(:func:`loss_in_forward`): training with labels, the model computes the chunked loss itself. Refused: a
+model without a plain ``nn.Linear`` LM head (classification), logits transformed after the head
+(soft-capping), a ``loss_fn=``, and ``zero:3`` (FSDP frees the head's gathered weight before the recompute).
 
 >>> from colabkit.plan import Plan
 >>> Plan.parse("chunked-ce").get("chunked-ce"), Plan.parse("chunked-ce:256").get("chunked-ce")
@@ -46,8 +50,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..batches import Batch, count, head_of, summed_loss
 from ..data import IGNORE_INDEX
 from ..memory import MemoryTracker
+from ..models import logits_of
 from ..plan import Context, Plan, PlanError, Technique, register
 
 AUTO = 0  # the plan's value for ``chunked-ce`` without C: chunk size from the shapes (auto_chunk)
@@ -235,6 +241,42 @@ def prepare_head(model: nn.Module) -> nn.Module:
     if not getattr(head, "_colabkit_chunked", False):
         head.forward = functools.partial(_head_forward, head)  # an instance attribute shadows the class forward
         head._colabkit_chunked = True
+    return model
+
+
+def loss_in_forward(model: nn.Module, chunk: int = AUTO) -> nn.Module:
+    """For transformers' Trainer, which gives the labels to the model: wrap ``model.forward`` (in place) so
+    that, training with ``labels``, the model computes the chunked loss itself in transformers' convention
+    (summed over the counted tokens, shifted for a causal LM, divided by ``num_items_in_batch`` when the
+    Trainer passes it, else by the count) and returns :class:`ChunkedLogits` as its logits. Without labels,
+    or in evaluation, it is the model's own forward. Call :func:`prepare_head` first.
+
+    >>> from colabkit.hf_models import build_llama
+    >>> m = loss_in_forward(prepare_head(build_llama("llama:1x64")), chunk=4)
+    >>> ids = torch.zeros(1, 8, dtype=torch.long)
+    >>> out = m(input_ids=ids, labels=ids)
+    >>> out.logits, round(float(out.loss), 2) == round(float(m.eval()(input_ids=ids, labels=ids).loss), 2)
+    (ChunkedLogits(shape=(1, 8, 256), chunk=4), True)
+    """
+    inner = model.forward
+
+    @functools.wraps(inner)  # keeps the signature transformers inspects (labels, loss kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        labels = kwargs.get("labels")
+        if labels is None or not model.training or not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        if kwargs.get("shift_labels") is not None:
+            raise PlanError("chunked-ce: shift_labels (context parallelism) is not supported: drop chunked-ce")
+        kwargs.pop("labels")
+        n = kwargs.pop("num_items_in_batch", None)
+        with chunked_logits(chunk):
+            out = inner(*args, **kwargs)
+        head = head_of(model, Batch(args, kwargs, labels))
+        n = n if n is not None else count(labels, head, labels.shape[0]).clamp(min=1)
+        out["loss"] = summed_loss(logits_of(out), labels, head) / n
+        return out
+
+    model.forward = forward
     return model
 
 
