@@ -104,8 +104,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for a in range(0, hidden.shape[0], chunk):
                 z = F.linear(hidden[a:a + chunk].to(dtype), w, b).float()  # (C, V): the only logits alive
-                lse[a:a + chunk] = torch.logsumexp(z, dim=-1)
                 picked = z.gather(1, target[a:a + chunk, None]).squeeze(1)  # (C,) the target's logit
+                top = z.amax(dim=-1)  # log-sum-exp in place (torch.logsumexp may allocate a (C, V) temporary)
+                lse[a:a + chunk] = z.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
                 total += torch.where(valid[a:a + chunk], lse[a:a + chunk] - picked, 0.0).sum()
                 del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
@@ -355,7 +356,8 @@ def logits_memory(vocabs=(8000, 32000), seqs=(512,), chunk: int | None = AUTO, w
             c = None if chunk is None else (chunk or auto_chunk(n, vocab, width))
             with MemoryTracker(device=dev, alert_at=None) as mt:
                 with mt.phase("forward"), torch.autocast(dev.type, dtype=torch.float16, enabled=half):
-                    loss = (F.cross_entropy(F.linear(h, w).float(), y, reduction="sum") if c is None
+                    z = F.linear(h, w) if c is None else None  # kept while the loss runs, as a model's output is
+                    loss = (F.cross_entropy(z.float(), y, reduction="sum") if c is None
                             else chunked_cross_entropy(h, w, y, chunk=c))
                 with mt.phase("backward"):
                     loss.backward()
@@ -364,5 +366,5 @@ def logits_memory(vocabs=(8000, 32000), seqs=(512,), chunk: int | None = AUTO, w
                          "peak_bytes": r["tracked_peak_bytes"], "loss": float(loss.detach()),
                          # under autocast the forward also holds the head's fp16 weight copy (V, D)
                          "formula": logits_bytes(n, vocab, c, half) + 2 * vocab * width * half, "device": str(dev)})
-            del h, w, y, loss
+            del h, w, y, z, loss
     return rows
