@@ -65,3 +65,6 @@ from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_savin
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
 __version__ = "0.1.0"
+# chunked-ce (issue 27): the LM head + cross-entropy over chunks of token rows
+from .techniques.chunked_ce import (ChunkedCrossEntropy, ChunkedLogits, auto_chunk, chunked_cross_entropy,  # noqa: E402
+                                    logits_bytes, logits_memory)

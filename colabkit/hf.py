@@ -28,6 +28,8 @@ adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adam
 lora:R, qlora:R               model        colabkit's LoRA (peft adapters; qlora: bitsandbytes NF4 base)
 compress:int8, attention:X    model        their forward context around ``model.forward``
 checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
+chunked-ce, chunked-ce:C      model        the LM head returns its input, and the model, given labels while
+                                           training, computes the chunked loss itself (``num_items_in_batch``)
 fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
 galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
 params/disk, zero:N
@@ -57,6 +59,7 @@ from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
+from .techniques.chunked_ce import loss_in_forward
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
            # re-exported from colabkit.hf_models: loading Hugging Face models
@@ -81,7 +84,7 @@ _REFUSED = {
     "zero": "transformers' Trainer shards through accelerate (TrainingArguments(fsdp=...), launched by accelerate "
             "or torchrun); colabkit's zero:N runs with colabkit.train(..., world_size=N)",
 }
-_MODEL_SIDE = ("lora", "qlora", "compress", "attention")
+_MODEL_SIDE = ("lora", "qlora", "compress", "attention", "chunked-ce")
 
 
 def _transformers():
@@ -224,6 +227,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
+    if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
+        loss_in_forward(model, plan.get("chunked-ce"))
     makers = [t.forward_context for t in plan.techniques()
               if t.forward_context is not None and t.name in names and t.name in ("compress", "attention", "offload")]
     if makers:

@@ -391,10 +391,10 @@ def logits_of(out: Any) -> torch.Tensor:
     >>> logits_of((torch.zeros(2, 3), None)).shape
     torch.Size([2, 3])
     """
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) or hasattr(out, "cross_entropy_sum"):  # (or chunked-ce's ChunkedLogits)
         return out
     logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
+    if isinstance(logits, torch.Tensor) or hasattr(logits, "cross_entropy_sum"):
         return logits
     if isinstance(out, (tuple, list)):
         for t in out:

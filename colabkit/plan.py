@@ -43,6 +43,9 @@ class Context:
     # Set by techniques that compute in fp16 (fp16; lora/qlora on a GPU without bf16): the Trainer's
     # GradScaler is enabled by this value, so small gradients do not underflow in fp16.
     loss_scaling: bool = False
+    # Set by a technique that computes the loss from the LM head's input itself (the token, e.g. chunked-ce):
+    # the Trainer then keeps the labels from the model (it would compute its own loss from full logits).
+    loss_from_head: str | None = None
 
     @property
     def cuda(self) -> bool:

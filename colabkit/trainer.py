@@ -97,6 +97,10 @@ class Trainer:
             if t.prepare_model is not None and t.order >= 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
         self.model = self.ctx.model = model
+        if loss_fn is not None and self.ctx.loss_from_head:
+            raise PlanError(f"{self.ctx.loss_from_head} computes the cross-entropy of the labels itself, from the LM head's "
+                            "input (the model returns no logits): drop loss_fn=, or drop "
+                            f"{self.ctx.loss_from_head} to compute your own loss")
         opt_tech = REGISTRY[self.plan.optimizer]
         self.optimizer = opt_tech.make_optimizer(param_groups(model, weight_decay), self.plan, self.ctx)
         for t in techs:
@@ -127,7 +131,7 @@ class Trainer:
         return micro_loss(self.model(x), b, head_of(self.model, b, self.task), n_tokens, 0, 1, self.loss_fn)
 
     def _batch(self, batch: Any, y: torch.Tensor | None) -> tuple[Batch, str]:
-        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None).to(self.ctx.device)
+        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None and not self.ctx.loss_from_head).to(self.ctx.device)
         return b, head_of(self.model, b, self.task)
 
     def _micro(self, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int) -> torch.Tensor:

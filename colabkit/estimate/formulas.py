@@ -8,6 +8,7 @@ from typing import Any
 from ..memory import fmt_bytes
 from ..models import gpt_config  # noqa: F401  (doctest)
 from ..plan import REGISTRY, Plan
+from ..techniques.chunked_ce import auto_chunk, logits_bytes
 from ..techniques.offload import pinned_bytes  # the host-RAM guard's rounding: one rule for both
 from ..techniques.optimizers import state_bytes_per_param
 
@@ -46,6 +47,8 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
     else:
         acts = L * per_layer
     logits = b * s * V * (2 + 4 + 4 if half else 4 + 4)  # logits, fp32 copy for the loss, its grad
+    if "chunked-ce" in plan:  # one chunk's logits at a time, one log-sum-exp per row
+        logits = logits_bytes(b * s, V, plan.get("chunked-ce") or auto_chunk(b * s, V, h), half)
     weights = 4 * n + (2 * n if half else 0)  # fp32 master (+ autocast's fp16 copies)
     grads = 4 * trainable
     state = opt * trainable
