@@ -5,6 +5,8 @@ import pytest
 import torch
 
 os.environ.setdefault("COLABKIT_SMOKE", "1")
+# NCCL's rule on gloo: collectives refuse tensors not made on the rank's compute device (colabkit.collectives)
+os.environ.setdefault("COLABKIT_STRICT_COLLECTIVES", "1")
 # estimates must not depend on a calibration profile stored on this machine (python -m colabkit calibrate)
 os.environ["COLABKIT_PROFILE_DIR"] = tempfile.mkdtemp(prefix="colabkit-test-profiles-")
 
