@@ -79,6 +79,8 @@ def _found_inf_agreed() -> dict:
     x, y = RankData().batch(2, 16, step=0)
     with t.forward_context():
         loss = t.loss(x, y, y.numel() * WORLD)
+    t.scaler.scale(loss)  # starts the scaler; then a scale at which no gradient overflows by itself
+    t.scaler.update(1.0)
     t.scaler.scale(loss).backward()
     if dist.get_rank() == 0:
         next(iter(t.model.parameters())).grad.to_local().view(-1)[0] = float("inf")
@@ -153,9 +155,12 @@ def test_fp16_resume_restores_scaler_and_is_exact(ranks):
 
 
 # ----- 5. ranks die with their parent -----------------------------------------------------------
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "colabkit", "train", "--model", "gpt:2x64", "--device", "cpu", "--no-track",
-            "--batch", "4", "--seq", "16", *args]
+def stubborn_rank() -> None:
+    """A rank that handles Ctrl-C itself (as a run that checkpoints on interrupt would) and works on:
+    torch's own spawn asks the kernel for SIGINT at the parent's death, which such a rank survives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        time.sleep(0.1)
 
 
 def _connected(p: psutil.Process) -> bool:
@@ -165,11 +170,12 @@ def _connected(p: psutil.Process) -> bool:
         return False
 
 
-def test_sigkill_of_parent_ends_its_ranks():
+def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
+    """Start ``cmd`` (which launches 2 ranks), SIGKILL it once both ranks are in the process group, and
+    return the pids of ranks still running ``timeout`` seconds later."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[psutil.Process] = []
-    parent = subprocess.Popen(_cli("--plan", "zero:1", "--steps", "100000", "--world-size", "2"), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 90
         while time.time() < deadline and not (len(ranks) == WORLD and all(_connected(r) for r in ranks)):
@@ -178,12 +184,25 @@ def test_sigkill_of_parent_ends_its_ranks():
         assert len(ranks) == WORLD and all(_connected(r) for r in ranks), "the ranks did not start"
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        gone, alive = psutil.wait_procs(ranks, timeout=5)
-        assert not alive, f"ranks still running after their parent's SIGKILL: {[p.pid for p in alive]}"
+        _, alive = psutil.wait_procs(ranks, timeout=timeout)
+        return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     finally:  # never leave anything behind
         for p in [*psutil.Process().children(recursive=True), *ranks]:
             if p.is_running():
                 p.kill()
+
+
+def test_sigkill_of_parent_ends_even_stubborn_ranks():
+    code = "from colabkit.distributed import launch; from tests.test_distributed import stubborn_rank; " \
+           "launch(stubborn_rank, 2, device='cpu')"
+    assert _kill_parent_and_watch([sys.executable, "-c", code], timeout=5) == []
+
+
+@pytest.mark.slow
+def test_sigkill_of_train_world_size_two_ends_its_ranks():
+    cmd = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:2x64", "--device", "cpu", "--no-track",
+           "--batch", "4", "--seq", "16", "--plan", "zero:1", "--steps", "100000", "--world-size", "2"]
+    assert _kill_parent_and_watch(cmd, timeout=5) == []
 
 
 # ----- 6. torchrun ------------------------------------------------------------------------------
