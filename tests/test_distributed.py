@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from colabkit import build_model, weights_sha256
 from colabkit.collectives import STRICT_ENV, collective, install_strict, rank_tensor, uninstall_strict
-from colabkit.distributed import (RankData, global_mean, launch, load_sharded, save_sharded, train_sharded)
+from colabkit.distributed import RankData, global_mean, launch, load_sharded, save_sharded
 from colabkit.memory import MemoryTracker
 from colabkit.trainer import Trainer, load_model
 
@@ -207,15 +207,15 @@ def test_sigkill_of_train_world_size_two_ends_its_ranks():
 
 # ----- 6. torchrun ------------------------------------------------------------------------------
 def test_torchrun_equals_world_size_two():
-    args = ["--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
+    args = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
             "--seq", "16", "--no-track", "--json", "-"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "colabkit", "train", *args],
-                         env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)  # rank 0 printed it, rank 1 printed nothing
-    spawned = train_sharded("gpt:4x128", "zero:3", world_size=2, steps=4, batch=4, seq=16, device="cpu")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
+    runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for cmd in (torchrun + args, [sys.executable, "-m", "colabkit", *args, "--world-size", "2"])]
+    (by_torchrun, err), (spawned, _) = (p.communicate(timeout=300) for p in runs)
+    assert [p.returncode for p in runs] == [0, 0], err[-2000:]
+    result, spawned = json.loads(by_torchrun), json.loads(spawned)  # torchrun: rank 0 printed, rank 1 nothing
     assert result["losses"] == spawned["losses"] and result["weights_sha256"] == spawned["weights_sha256"]
     torch.manual_seed(0)
     assert weights_sha256(build_model("gpt:4x128", seq=16)) != result["weights_sha256"]  # negative control: it trained
