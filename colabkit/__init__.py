@@ -65,3 +65,5 @@ from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_savin
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
 __version__ = "0.1.0"
+from .collectives import collective, rank_tensor  # noqa: E402
+from .distributed import torchrun_world  # noqa: E402

@@ -4,11 +4,16 @@
 starts the process group (gloo on the CPU, nccl with one GPU per rank), runs ``fn(*args)`` in each
 and returns every rank's result. It works from a notebook: the processes are *spawned*, so ``fn``
 must be importable (a colabkit function such as :func:`bench_ranks`, not one defined in a cell).
+The ranks die with the launching process (``PR_SET_PDEATHSIG`` SIGKILL plus a parent-pid watchdog):
+a killed notebook kernel or CLI leaves no rank running. Under ``torchrun`` (env:// variables set)
+:func:`train_sharded` runs this process's rank instead of spawning (:func:`run_here`); rank 0 prints.
+Every collective colabkit issues goes through :func:`colabkit.collectives.collective`, on the rank's
+compute device (NCCL takes CUDA tensors only).
 
 :func:`bench_sharded` is ``bench --world-size N``: each rank measures its 1/N of the effective batch
 under its own tracker; one record per plan carries the largest rank's breakdown and ``per_rank``.
 Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
-exactly) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
+exactly: RNG states and the fp16 loss scaler included) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
 
 >>> RankData(rank=1, world_size=2).batch(2, 8, step=0)[0].shape  # rows 2:4 of the global batch of 4
 torch.Size([2, 8])

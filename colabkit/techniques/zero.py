@@ -10,7 +10,18 @@
   block's forward and gathered again in backward. With ``offload:params`` / ``offload:optimizer``
   on a GPU, FSDP2's ``CPUOffloadPolicy`` keeps the shards (and so the optimizer step) in host RAM.
 
-The process group is started by :func:`colabkit.distributed.launch` (gloo on CPU, nccl on GPUs);
+zero:2/3 never hold the whole model on one rank: the model is built on the meta device (shapes only)
+with its init calls recorded (:class:`InitRecorder`), sharded by ``fully_shard``, and only then
+materialised: ``to_empty`` allocates this rank's shards and the init calls are replayed one full
+tensor at a time (:func:`materialize_sharded`), so every world size starts from the single-process
+build's weights for the same seed, and the Trainer never moves the model before sharding
+(``places_model``). With ``fp16``, FSDP2's ``MixedPrecisionPolicy(param_dtype=float16,
+reduce_dtype=float32)`` gathers fp16 compute copies of fp32 master shards and reduce-scatters
+gradients in fp32; torch's ``ShardedGradScaler`` unscales each rank's gradient shard and all-reduces
+found-inf, so every rank skips the same steps (the T4 has no bf16: this is how a T4 shards fp16).
+
+The process group is started by :func:`colabkit.distributed.launch` (gloo on CPU, nccl on GPUs) or
+by ``torchrun`` (:func:`colabkit.distributed.run_here`);
 each rank's Trainer sees its 1/N slice of the effective batch, so the gradient averaged over ranks
 is the single-process gradient.
 
@@ -185,14 +196,22 @@ def materialize_sharded(model: nn.Module, log: list, device: torch.device) -> nn
                 p.to_local().copy_(full[rows])
             else:
                 p.copy_(full)
+    written = {id(real[n]) for n in last if n is not None}  # tied weights: one object, several names
+    unset = [n for n, p in real.items() if id(p) not in written]
+    if unset:  # an empty shard would train from garbage: refuse
+        raise RuntimeError(f"materialize_sharded: no recorded init for {unset[:3]}; build the model normally")
     return model
+
+
+META_SAFE = ("zero", "fp16", "checkpoint", "attention")  # their prepare_model adds no weights
 
 
 def _load(name: str, plan: Plan, ctx: Context, seq: int | None) -> nn.Module | None:
     """zero:2/3: the model is built on the meta device (no memory) and sharded before it gets weights."""
     if plan.get("zero") == 1:
         return None
-    model = record_meta_build(name, seq)
+    others = [t.name for t in plan.techniques() if t.prepare_model is not None and t.name not in META_SAFE]
+    model = None if others else record_meta_build(name, seq)  # e.g. lora adds weights the log does not init
     if model is None:  # not replayable: built in host RAM; fully_shard moves it to the GPU block by block
         from ..models import build_model
 
