@@ -13,7 +13,8 @@ compute device (NCCL takes CUDA tensors only).
 :func:`bench_sharded` is ``bench --world-size N``: each rank measures its 1/N of the effective batch
 under its own tracker; one record per plan carries the largest rank's breakdown and ``per_rank``.
 Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
-exactly: RNG states and the fp16 loss scaler included) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
+exactly: RNG states and the fp16 loss scaler included) and :func:`consolidate` turns them into one
+``torch.save`` file a single process loads.
 
 >>> RankData(rank=1, world_size=2).batch(2, 8, step=0)[0].shape  # rows 2:4 of the global batch of 4
 torch.Size([2, 8])
@@ -36,7 +37,7 @@ import torch.multiprocessing as mp
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .collectives import collective, install_strict, rank_tensor
+from .collectives import collective, compute_device, install_strict, rank_tensor
 from .data import TextData
 from .plan import Plan, PlanError
 from .train import measure
@@ -69,10 +70,10 @@ def backend_for(device: str | None, world_size: int) -> str:
 
 
 def rank_device(device: str | None) -> str:
-    """This rank's device: ``cuda:<rank>`` on nccl, else ``cpu``."""
+    """This rank's device: ``cuda:<local rank>`` on nccl (the collectives' compute device), else ``cpu``."""
     if device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    return f"cuda:{dist.get_rank() if dist.is_initialized() else 0}"
+    return str(compute_device("nccl"))
 
 
 def die_with_parent(parent_pid: int) -> None:
