@@ -176,18 +176,25 @@ def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[psutil.Process] = []
+    family: list[psutil.Process] = []  # everything the parent started (ranks, its resource tracker)
     try:
         deadline = time.time() + 90
         while time.time() < deadline and not (len(ranks) == WORLD and all(_connected(r) for r in ranks)):
             time.sleep(0.5)  # until both ranks are in the process group (a TCP connection each)
-            ranks = [c for c in psutil.Process(parent.pid).children() if "spawn" in " ".join(c.cmdline())]
+            try:
+                family = psutil.Process(parent.pid).children(recursive=True)
+                ranks = [c for c in family if c.ppid() == parent.pid and "spawn" in " ".join(c.cmdline())]
+            except psutil.Error:  # a process that ended between the listing and the look
+                continue
         assert len(ranks) == WORLD and all(_connected(r) for r in ranks), "the ranks did not start"
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         _, alive = psutil.wait_procs(ranks, timeout=timeout)
         return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    finally:  # never leave anything behind
-        for p in [*psutil.Process().children(recursive=True), *ranks]:
+    finally:  # never leave anything of this test behind
+        if parent.poll() is None:
+            parent.kill()
+        for p in family:
             if p.is_running():
                 p.kill()
 
