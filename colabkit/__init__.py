@@ -68,3 +68,5 @@ __version__ = "0.1.0"
 # chunked-ce (issue 27): the LM head + cross-entropy over chunks of token rows
 from .techniques.chunked_ce import (ChunkedCrossEntropy, ChunkedLogits, auto_chunk, chunked_cross_entropy,  # noqa: E402
                                     logits_bytes, logits_memory)
+from .collectives import collective, rank_tensor  # noqa: E402
+from .distributed import torchrun_world  # noqa: E402

@@ -140,7 +140,9 @@ def _train(args: argparse.Namespace) -> dict:
     check_sizes(args.batch, args.seq, args.steps)
     if args.t4:
         emulate_t4()
-    if args.world_size > 1:
+    from .distributed import torchrun_world
+
+    if args.world_size > 1 or torchrun_world():  # --world-size N spawns the ranks; torchrun started them
         from .distributed import train_sharded
 
         return train_sharded(args.model, (args.plan or ["baseline"])[0], world_size=args.world_size, steps=args.steps,
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, ImportError, OSError) as e:  # a user mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(result, dict) and result.get("rank", 0) != 0:
+        return 0  # a torchrun rank other than 0: rank 0 prints the run's result
     emit(result, args.json, printer)
     if isinstance(result, dict) and (result.get("ok") is False
                                      or any(not r.get("ok", True) for r in result.get("results", []))):

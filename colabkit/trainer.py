@@ -91,7 +91,8 @@ class Trainer:
         for t in techs:  # order < 50: before the move to the device (e.g. quantize, stream params)
             if t.prepare_model is not None and t.order < 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
-        if not getattr(model, "_colabkit_placed", False):
+        places = any(t.places_model is not None and t.places_model(self.plan) for t in techs)
+        if not places and not getattr(model, "_colabkit_placed", False):  # zero:2/3 shard before placing
             model = model.to(self.ctx.device)
         for t in techs:
             if t.prepare_model is not None and t.order >= 50:
@@ -108,7 +109,7 @@ class Trainer:
                 self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
         self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
         # fp16 compute needs loss scaling (techniques set ctx.loss_scaling); otherwise a no-op (scale 1.0).
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled=self.ctx.loss_scaling)
+        self.scaler = (self.ctx.make_scaler or torch.amp.GradScaler)(self.ctx.device.type, enabled=self.ctx.loss_scaling)
         self.accum = self.plan.get("accum", 1)
         self.tracker = tracker
         self.step_count = 0

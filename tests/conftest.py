@@ -16,6 +16,8 @@ if not _TMP:
     _TMP = os.environ["COLABKIT_TEST_TMP"] = tempfile.mkdtemp(prefix="colabkit-tests-")
     atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 os.environ["TMPDIR"] = tempfile.tempdir = _TMP
+# NCCL's rule on gloo: collectives refuse tensors not made on the rank's compute device (colabkit.collectives)
+os.environ.setdefault("COLABKIT_STRICT_COLLECTIVES", "1")
 # estimates must not depend on a calibration profile stored on this machine (python -m colabkit calibrate)
 os.environ["COLABKIT_PROFILE_DIR"] = os.path.join(_TMP, "profiles")
 
