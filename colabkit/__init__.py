@@ -64,4 +64,7 @@ from .resilience import describe_resume, kill_and_resume  # noqa: E402
 from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_saving, relative_error, scaling,  # noqa: E402
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
+from .selftest import report_markdown as selftest_markdown, selftest, write_report as write_selftest  # noqa: E402
+from .determinism import deterministic, seed_all  # noqa: E402
+
 __version__ = "0.1.0"

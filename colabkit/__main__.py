@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import techniques  # noqa: F401  (registers plan tokens and subcommands)
     from .estimate.cli import register_cli; register_cli(subcommand)  # noqa: E702  (estimate, plan, largest)
     from .structured import register_cli as structured_cli; structured_cli(subcommand)  # noqa: E702  (structured)
+    from .selftest import register_cli as selftest_cli; selftest_cli(subcommand)  # noqa: E702  (selftest)
 
     parser = argparse.ArgumentParser(prog="colabkit", description="GPU memory for training, measured. "
                                      "Every subcommand prints a table, or JSON with --json PATH ('-' for stdout).")
