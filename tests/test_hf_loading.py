@@ -43,3 +43,15 @@ def test_4bit_model_goes_whole_to_the_current_device_of_two(monkeypatch):
     seen.clear()
     hf_models.load_hf_4bit("some/model", device_map="auto")          # asked for explicitly: passed on as asked
     assert seen["device_map"] == "auto"
+
+
+def test_memory_callback_warns_when_device_map_split_the_model(recwarn):
+    from colabkit.hf import check_one_device
+
+    m = nn.Linear(1, 1)
+    m.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "lm_head": "cpu"}
+    check_one_device(m)                                   # one GPU (+ CPU offload): measured as it is
+    assert not [w for w in recwarn if "split over" in str(w.message)]
+    m.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}   # device_map="auto" on Kaggle's 2xT4
+    with pytest.warns(RuntimeWarning, match=r"split over 2 GPUs \(cuda:0, cuda:1"):
+        check_one_device(m)
