@@ -270,7 +270,7 @@ def report_markdown(r: dict) -> str:
         m, p = c.get("measured_bytes"), c.get("predicted_bytes")
         err = c.get("estimate_error")
         head.append(f"| {c['name']} | {c['status']} | {fmt_bytes(m) if m else ''} | {fmt_bytes(p) if p else ''} | "
-                    f"{'' if err is None else f'{err:+.1%}'} | {c['detail'].replace('|', '/')} |")
+                    f"{'' if err is None else f'{err:+.1%}'} | {c['detail'].replace('|', chr(92) + '|')} |")  # a | in the detail escaped
     return "\n".join(head)
 
 
