@@ -88,3 +88,12 @@ def test_cli_deterministic_reaches_train_and_bench(monkeypatch):
     assert cli.main(["bench", "--json", os.devnull]) == 0
     assert got == [True, True, False]
     assert cli.main(["train", "--deterministic", "--world-size", "2", "--plan", "zero:1"]) == 2  # refused, not dropped
+
+
+def test_measure_deterministic_for_the_measurement_only():
+    from colabkit import measure
+
+    seen = set()
+    r = measure("gpt:2x32", batch=2, seq=16, steps=1, device="cpu", deterministic=True,
+                on_sample=lambda s: seen.add(torch.are_deterministic_algorithms_enabled()))
+    assert r["ok"] and seen == {True} and not torch.are_deterministic_algorithms_enabled()
