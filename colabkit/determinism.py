@@ -51,7 +51,8 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS reads when CUDA starts: it is set here if it is not
     set yet, with a warning when CUDA has already started (set it first thing, e.g. at the notebook's
     top, or use ``--deterministic``, which sets it before anything touches the GPU). The previous
-    settings come back at the end (the environment variable stays).
+    settings come back at the end (the environment variable too, unless CUDA started meanwhile: then
+    cuBLAS's workspace was sized from it).
 
     >>> with deterministic():
     ...     torch.are_deterministic_algorithms_enabled()
@@ -62,7 +63,8 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+    env_before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if env_before not in (":4096:8", ":16:8"):
         if torch.cuda.is_initialized():
             warnings.warn("colabkit: deterministic mode: CUDA started before CUBLAS_WORKSPACE_CONFIG was set, so "
                           "cuBLAS may keep a non-deterministic workspace; set it before the first CUDA call "
@@ -78,6 +80,13 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        if env_before not in (":4096:8", ":16:8") and not torch.cuda.is_initialized():
+            # nothing read it (CUDA never started): the environment as it was (on a GPU it stays, as cuBLAS
+            # keeps the workspace it sized from it, and the estimate's workspace term reads it)
+            if env_before is None:
+                os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+            else:
+                os.environ["CUBLAS_WORKSPACE_CONFIG"] = env_before
 
 
 def restore_threads(saved: int | None) -> None:

@@ -62,13 +62,18 @@ def test_resume_with_another_thread_count_continues_bit_for_bit(tmp_path, thread
     assert "resuming with 2 CPU threads" in capsys.readouterr().out
 
 
+def _no_cublas_config(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so whatever the test sets is undone after it
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+
+
 def test_deterministic_run_only(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    _no_cublas_config(monkeypatch)
     seen = []
-    out = train("gpt:2x32", deterministic=True, callbacks=[lambda r: seen.append(torch.are_deterministic_algorithms_enabled())],
-                **RUN)
-    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    out = train("gpt:2x32", deterministic=True, **RUN, callbacks=[
+        lambda r: seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))])
+    assert seen == [(True, ":4096:8")] * 2 and not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # CUDA never started: the environment as it was
     assert out["weights_sha256"] == train("gpt:2x32", **RUN)["weights_sha256"]  # on a CPU the same bytes either way
 
 
@@ -81,7 +86,7 @@ def test_cli_deterministic_reaches_train_and_bench(monkeypatch):
     monkeypatch.setattr(train_mod, "train", lambda *a, **kw: got.append(kw["deterministic"]) or dict.fromkeys(
         ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks", "resumed_from", "simulated"), 0))
     monkeypatch.setattr(train_mod, "measure", lambda *a, **kw: got.append(kw["deterministic"]) or {"ok": True})
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    _no_cublas_config(monkeypatch)
     assert cli.main(["train", "--deterministic", "--json", os.devnull]) == 0
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert cli.main(["bench", "--deterministic", "--json", os.devnull]) == 0
