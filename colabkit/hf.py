@@ -62,6 +62,7 @@ from .plots import LivePlot
 from .techniques.chunked_ce import loss_in_forward
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
+           "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -258,6 +259,27 @@ def check_run(args: Any, model: torch.nn.Module) -> None:
                                     f"colabkit.hf.training_arguments({text!r}, ...)")
 
 
+def check_one_device(model: torch.nn.Module) -> None:
+    """Warn when ``device_map`` split the model over several GPUs: the tracker measures one device (the
+    current one), so the figures would leave out the other GPUs' share. colabkit loads on one device
+    (:func:`single_device_map`); a model too big for one T4 is a case for ``zero:3``, where each rank measures
+    its own GPU.
+
+    >>> m = torch.nn.Linear(1, 1); m.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cuda:1"}
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always"); check_one_device(m)
+    >>> "split over 2 GPUs" in str(w[0].message)
+    True
+    """
+    placed = getattr(unwrap(model), "hf_device_map", None) or {}
+    gpus = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()} - {"cpu", "disk", "meta"}
+    gpus = {"cuda:0" if g == "cuda" else g for g in gpus}
+    if len(gpus) > 1:
+        warnings.warn(f"colabkit: the model is split over {len(gpus)} GPUs ({', '.join(sorted(gpus))}, device_map) but "
+                      "MemoryCallback measures one: load it on one device (device_map={'': 0}, as "
+                      "colabkit.hf.load_hf_4bit does), or shard it with zero:3", RuntimeWarning, stacklevel=3)
+
+
 class MemoryCallback:
     """A ``transformers.TrainerCallback`` that measures ``trainer.train()`` with :class:`colabkit.MemoryTracker`.
 
@@ -301,6 +323,7 @@ class MemoryCallback:
         self._go_first()
         self.close()  # a tracker left on by a run that raised
         check_run(args, model)
+        check_one_device(model)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer
