@@ -286,7 +286,17 @@ def _adafactor(groups: list[dict], plan: Plan, ctx: Context) -> torch.optim.Opti
 
 
 def _bnb_opt(cls_name: str, **kw):
-    return lambda groups, plan, ctx: getattr(_bnb().optim, cls_name)(groups, lr=ctx.lr, **kw)
+    def make(groups, plan, ctx):
+        opt = getattr(_bnb().optim, cls_name)(groups, lr=ctx.lr, **kw)
+        # bitsandbytes files per-parameter overrides on one process-global manager, by position (group,
+        # index): transformers' Trainer registers its embeddings for 32-bit state there, and every later
+        # bitsandbytes optimizer in the process would give its first parameters 32-bit state (other
+        # numbers, other memory). A private, empty manager keeps a plan's optimizer what the plan says.
+        mng = type(opt.mng).__new__(type(opt.mng))
+        mng.initialize()
+        opt.mng = mng
+        return opt
+    return make
 
 
 OPTIMIZERS = [
