@@ -3,6 +3,7 @@ checkpoint, refusal of another model/plan, every optimizer kind, and the host me
 Loading never runs code (issue 28): a manifest that carries a pickle is skipped, a value that is not data
 is refused when saving, no torch.load/pickle in colabkit un-pickles, memory snapshots are read as data."""
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -27,6 +28,18 @@ CLI = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:4x128", "--pla
        "--no-track"]  # the tracker's dispatch mode makes CPU steps ~6x slower; it changes no number
 
 
+@contextlib.contextmanager
+def one_thread():
+    """In-process references for the CLI (ENV: one thread): a CPU matmul sums in another order with
+    another thread count, so weights are bit-identical only at the same count (``make test`` has 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cli(*extra, check=True):
     p = subprocess.run(CLI + list(extra), env=ENV, capture_output=True, text=True, timeout=120)
     if check:
@@ -41,8 +54,9 @@ def _sha(p):
 def test_cli_sigkill_resume_and_fallback(tmp_path):
     d = str(tmp_path / "ckpt")
     # the uninterrupted run, in-process through the function the CLI calls (untracked: faster, same numbers)
-    reference = train("gpt:4x128", plan="adamw8bit", steps=40, batch=4, seq=64, seed=7, device="cpu",
-                      progress=False, track=False)["weights_sha256"]
+    with one_thread():
+        reference = train("gpt:4x128", plan="adamw8bit", steps=40, batch=4, seq=64, seed=7, device="cpu",
+                          progress=False, track=False)["weights_sha256"]
     proc = subprocess.Popen(CLI + ["--checkpoint-dir", d, "--checkpoint-every", "5"], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
