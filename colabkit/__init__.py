@@ -65,3 +65,4 @@ from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_savin
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
 __version__ = "0.1.0"
+from .estimate import plan_of_arguments  # noqa: E402  (a transformers TrainingArguments read back as a plan)

@@ -285,6 +285,13 @@ def _adafactor(groups: list[dict], plan: Plan, ctx: Context) -> torch.optim.Opti
     return torch.optim.Adafactor(groups, lr=lr)
 
 
+# transformers' TrainingArguments(optim=...) name of each optimizer token that transformers has
+# (colabkit.hf maps a plan to it; the estimator reads a TrainingArguments back into a plan)
+HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
+            "lion": "lion_32bit", "lion8bit": "lion_8bit", "adamw4bit": "adamw_torch_4bit", "adafactor": "adafactor",
+            "sgd": "sgd"}
+
+
 def _bnb_opt(cls_name: str, **kw):
     def make(groups, plan, ctx):
         opt = getattr(_bnb().optim, cls_name)(groups, lr=ctx.lr, **kw)
