@@ -363,3 +363,38 @@ def test_memory_snapshot_is_read_as_data(tmp_path):
     with pytest.raises(ValueError, match=r"refused: this snapshot asks to load .*open; a memory snapshot holds plain data"):
         show_snapshot(str(evil))
     assert not marker.exists()
+
+
+def test_sharded_checkpoint_metadata_runs_nothing(tmp_path, monkeypatch):
+    """ZeRO runs resume through torch.distributed.checkpoint, which un-pickles the folder's .metadata: colabkit
+    reads it as data first, so a .metadata that would call open() is refused by consolidate and load_sharded."""
+    import shutil
+    import warnings
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from colabkit.distributed import consolidate, load_sharded
+
+    model = torch.nn.Linear(4, 4)
+    good = tmp_path / "good"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: assuming a single process"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(good / "dcp"), no_dist=True)
+    assert torch.equal(consolidate(str(good))["weight"], model.weight)  # a genuine checkpoint loads
+    for name in ("evil", "control"):
+        shutil.copytree(good, tmp_path / name)
+        (tmp_path / name / "dcp" / ".metadata").write_bytes(pickle.dumps(_CreatesFile(str(tmp_path / f"{name}-ran"))))
+    with pytest.raises(BaseException):  # negative control: torch's own loader runs the planted call (then fails)
+        dcp_to_torch_save(str(tmp_path / "control" / "dcp"), str(tmp_path / "out.pt"))
+    assert (tmp_path / "control-ran").exists()
+
+    with pytest.raises(CheckpointError, match=r"refused for safety: .*asks to load io\.open"):
+        consolidate(str(tmp_path / "evil"))
+    torch.save({}, tmp_path / "evil" / "rank0.pt")
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    with pytest.raises(CheckpointError, match="refused for safety"):
+        load_sharded(SimpleNamespace(plan="zero:3"), str(tmp_path / "evil"))
+    assert not (tmp_path / "evil-ran").exists()
