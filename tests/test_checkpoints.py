@@ -249,6 +249,34 @@ def test_exact_resume_offloaded_optimizer(tmp_path):
     assert weights_sha256(b.model) == weights_sha256(a.model)
 
 
+def test_exact_resume_restores_the_grad_scaler(tmp_path):
+    """fp16's GradScaler resumes with its scale and growth tracker: the scale (doubling every step here) sets how
+    fp16 gradients round, so a resume that restarted the scaler would step differently (the negative control)."""
+    from colabkit import TextData, Trainer, build_model, weights_sha256
+    from colabkit.checkpoints import load_trainer, save_trainer
+
+    def make(seed):
+        torch.manual_seed(seed)
+        t = Trainer(build_model("gpt:2x64"), "fp16", device="cpu")
+        t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        return t
+
+    data = TextData()
+    a = make(0)
+    for s in range(3):
+        a.step(*data.batch(4, 32, step=s))
+    save_trainer(a, str(tmp_path))
+    b, fresh = make(1), make(1)  # other initial weights: everything must come from the checkpoint
+    load_trainer(b, str(tmp_path))
+    load_trainer(fresh, str(tmp_path))
+    fresh.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    assert b.scaler.state_dict() == a.scaler.state_dict() and a.scaler.get_scale() == 2.0 ** 13
+    for s in range(3, 6):
+        for t in (a, b, fresh):
+            t.step(*data.batch(4, 32, step=s))
+    assert weights_sha256(b.model) == weights_sha256(a.model) != weights_sha256(fresh.model)
+
+
 # ----- loading never runs code (issue 28) --------------------------------------------------------------------
 def plant_pickle(path: str, keys: tuple, value) -> None:
     """Replace the manifest value at ``keys`` (dict keys from the top of the state) with ``value`` and
