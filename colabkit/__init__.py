@@ -73,3 +73,4 @@ from .techniques.chunked_ce import (ChunkedCrossEntropy, ChunkedLogits, auto_chu
                                     logits_bytes, logits_memory)
 from .collectives import collective, rank_tensor  # noqa: E402
 from .distributed import torchrun_world  # noqa: E402
+from .estimate import plan_of_arguments  # noqa: E402  (a transformers TrainingArguments read back as a plan)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import pickle
 import socket
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .collectives import collective, compute_device, install_strict, rank_tensor
+from .checkpoints import CheckpointError
 from .data import TextData
 from .plan import Plan, PlanError
 from .train import measure
@@ -285,6 +287,37 @@ def _zero1(trainer: Trainer) -> bool:
     return trainer.plan.get("zero") == 1
 
 
+# What the ``.metadata`` pickle of a DCP checkpoint names (torch.distributed.checkpoint writes it with
+# pickle and reads it with pickle.load): its own metadata classes, torch sizes/dtypes/layouts, paths.
+_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    *(("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refused for safety: the sharded checkpoint's metadata asks to load {module}.{name}, "
+                              "which a torch.distributed.checkpoint never holds (loading it could run code)")
+
+
+def check_metadata(dcp_dir: str) -> None:
+    """Read a DCP checkpoint's ``.metadata`` as data before torch does (torch un-pickles it): a file that
+    names anything but DCP's own metadata types is refused with a :class:`CheckpointError`."""
+    path = os.path.join(dcp_dir, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata file "
+                              f"({type(e).__name__}: {e})") from None
+
+
 def save_sharded(trainer: Trainer, directory: str) -> str:
     """Write a sharded run's state: model (and FSDP2 optimizer) shards through DCP into
     ``directory/dcp`` (each rank writes its own shards), plus each rank's step, CPU and CUDA RNG, the
@@ -319,6 +352,7 @@ def load_sharded(trainer: Trainer, directory: str) -> bool:
     path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
     if not os.path.exists(path):
         return False
+    check_metadata(os.path.join(directory, "dcp"))
     local = torch.load(path, weights_only=True)
     if local["plan"] != str(trainer.plan) or local["world_size"] != dist.get_world_size():
         raise PlanError(f"checkpoint in {directory} was written by plan {local['plan']!r} on {local['world_size']} "
@@ -349,6 +383,7 @@ def consolidate(directory: str, out_path: str | None = None) -> dict[str, torch.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out_path = out_path or os.path.join(directory, "consolidated.pt")
+    check_metadata(os.path.join(directory, "dcp"))
     dcp_to_torch_save(os.path.join(directory, "dcp"), out_path)
     return torch.load(out_path, weights_only=True)["model"]
 

@@ -60,15 +60,14 @@ from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
 from .techniques.chunked_ce import loss_in_forward
+from .techniques.optimizers import HF_OPTIM
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
            "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
-_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
-          "lion": "lion_32bit", "lion8bit": "lion_8bit", "adamw4bit": "adamw_torch_4bit", "adafactor": "adafactor",
-          "sgd": "sgd"}
+_OPTIM = HF_OPTIM
 _MAKE_OPT = "pass colabkit's: Trainer(..., optimizers=(colabkit.make_optimizer(model, {tok!r}), None)) and drop {tok!r} from the plan"
 _REFUSED = {
     "fused-step": "transformers' Trainer clips and steps after backward; fused-step steps each parameter inside "

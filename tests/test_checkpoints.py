@@ -3,6 +3,7 @@ checkpoint, refusal of another model/plan, every optimizer kind, and the host me
 Loading never runs code (issue 28): a manifest that carries a pickle is skipped, a value that is not data
 is refused when saving, no torch.load/pickle in colabkit un-pickles, memory snapshots are read as data."""
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -27,6 +28,18 @@ CLI = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:4x128", "--pla
        "--no-track"]  # the tracker's dispatch mode makes CPU steps ~6x slower; it changes no number
 
 
+@contextlib.contextmanager
+def one_thread():
+    """In-process references for the CLI (ENV: one thread): a CPU matmul sums in another order with
+    another thread count, so weights are bit-identical only at the same count (``make test`` has 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _cli(*extra, check=True):
     p = subprocess.run(CLI + list(extra), env=ENV, capture_output=True, text=True, timeout=120)
     if check:
@@ -41,8 +54,9 @@ def _sha(p):
 def test_cli_sigkill_resume_and_fallback(tmp_path):
     d = str(tmp_path / "ckpt")
     # the uninterrupted run, in-process through the function the CLI calls (untracked: faster, same numbers)
-    reference = train("gpt:4x128", plan="adamw8bit", steps=40, batch=4, seq=64, seed=7, device="cpu",
-                      progress=False, track=False)["weights_sha256"]
+    with one_thread():
+        reference = train("gpt:4x128", plan="adamw8bit", steps=40, batch=4, seq=64, seed=7, device="cpu",
+                          progress=False, track=False)["weights_sha256"]
     proc = subprocess.Popen(CLI + ["--checkpoint-dir", d, "--checkpoint-every", "5"], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 90
@@ -235,6 +249,34 @@ def test_exact_resume_offloaded_optimizer(tmp_path):
     assert weights_sha256(b.model) == weights_sha256(a.model)
 
 
+def test_exact_resume_restores_the_grad_scaler(tmp_path):
+    """fp16's GradScaler resumes with its scale and growth tracker: the scale (doubling every step here) sets how
+    fp16 gradients round, so a resume that restarted the scaler would step differently (the negative control)."""
+    from colabkit import TextData, Trainer, build_model, weights_sha256
+    from colabkit.checkpoints import load_trainer, save_trainer
+
+    def make(seed):
+        torch.manual_seed(seed)
+        t = Trainer(build_model("gpt:2x64"), "fp16", device="cpu")
+        t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        return t
+
+    data = TextData()
+    a = make(0)
+    for s in range(3):
+        a.step(*data.batch(4, 32, step=s))
+    save_trainer(a, str(tmp_path))
+    b, fresh = make(1), make(1)  # other initial weights: everything must come from the checkpoint
+    load_trainer(b, str(tmp_path))
+    load_trainer(fresh, str(tmp_path))
+    fresh.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    assert b.scaler.state_dict() == a.scaler.state_dict() and a.scaler.get_scale() == 2.0 ** 13
+    for s in range(3, 6):
+        for t in (a, b, fresh):
+            t.step(*data.batch(4, 32, step=s))
+    assert weights_sha256(b.model) == weights_sha256(a.model) != weights_sha256(fresh.model)
+
+
 # ----- loading never runs code (issue 28) --------------------------------------------------------------------
 def plant_pickle(path: str, keys: tuple, value) -> None:
     """Replace the manifest value at ``keys`` (dict keys from the top of the state) with ``value`` and
@@ -349,3 +391,38 @@ def test_memory_snapshot_is_read_as_data(tmp_path):
     with pytest.raises(ValueError, match=r"refused: this snapshot asks to load .*open; a memory snapshot holds plain data"):
         show_snapshot(str(evil))
     assert not marker.exists()
+
+
+def test_sharded_checkpoint_metadata_runs_nothing(tmp_path, monkeypatch):
+    """ZeRO runs resume through torch.distributed.checkpoint, which un-pickles the folder's .metadata: colabkit
+    reads it as data first, so a .metadata that would call open() is refused by consolidate and load_sharded."""
+    import shutil
+    import warnings
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from colabkit.distributed import consolidate, load_sharded
+
+    model = torch.nn.Linear(4, 4)
+    good = tmp_path / "good"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: assuming a single process"
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(good / "dcp"), no_dist=True)
+    assert torch.equal(consolidate(str(good))["weight"], model.weight)  # a genuine checkpoint loads
+    for name in ("evil", "control"):
+        shutil.copytree(good, tmp_path / name)
+        (tmp_path / name / "dcp" / ".metadata").write_bytes(pickle.dumps(_CreatesFile(str(tmp_path / f"{name}-ran"))))
+    with pytest.raises(BaseException):  # negative control: torch's own loader runs the planted call (then fails)
+        dcp_to_torch_save(str(tmp_path / "control" / "dcp"), str(tmp_path / "out.pt"))
+    assert (tmp_path / "control-ran").exists()
+
+    with pytest.raises(CheckpointError, match=r"refused for safety: .*asks to load io\.open"):
+        consolidate(str(tmp_path / "evil"))
+    torch.save({}, tmp_path / "evil" / "rank0.pt")
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    with pytest.raises(CheckpointError, match="refused for safety"):
+        load_sharded(SimpleNamespace(plan="zero:3"), str(tmp_path / "evil"))
+    assert not (tmp_path / "evil-ran").exists()

@@ -23,6 +23,14 @@ from colabkit.techniques import compress  # noqa: E402
 from own_models import S, V, _cells, _check_model_side, bert, gpt2, llama, lm_batch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fresh_bitsandbytes_overrides(monkeypatch):
+    """transformers' Trainer files its embeddings' 32-bit override on bitsandbytes' process-global manager,
+    by parameter position: each test starts and leaves the process with an empty one."""
+    optimizer = pytest.importorskip("bitsandbytes.optim.optimizer")
+    monkeypatch.setattr(optimizer.GlobalOptimManager, "_instance", None)
+
+
 # ----- transformers' Trainer: training_arguments, prepare_model, MemoryCallback -----------------------
 def test_training_arguments_maps_every_loop_token():
     args = hf.training_arguments("fp16+checkpoint+accum:4+lion8bit", output_dir="o", report_to="none", use_cpu=True)
@@ -107,6 +115,9 @@ def _plain_loop_peak(plan_accum: int = 4, steps: int = 5) -> int:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    for m in model.modules():  # as transformers' Trainer does for an 8-bit bitsandbytes optim: 32-bit embedding state
+        if isinstance(m, nn.Embedding):
+            bnb.optim.GlobalOptimManager.get_instance().register_module_override(m, "weight", {"optim_bits": 32})
     opt = bnb.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.0}],
                           lr=1e-3, optim_bits=8)
     data = _lm_dataset()

@@ -89,9 +89,13 @@ def test_cli_train_resume_with_offload_sim(tmp_path):
             "--seq", "32", "--seed", "7", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     from colabkit.__main__ import main
 
-    assert main(base + ["--steps", "2"]) == 0
+    from tests.test_checkpoints import one_thread  # the subprocess runs on one thread
+
+    with one_thread():
+        assert main(base + ["--steps", "2"]) == 0
     resumed = _cli(*base, "--steps", "4", "--resume")
-    full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
+    with one_thread():
+        full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
     assert resumed["simulated"] is True and resumed["step"] == 4
     assert resumed["weights_sha256"] == full["weights_sha256"]
 

@@ -319,3 +319,31 @@ def test_tracker_counts_paged_state_on_the_device():
     assert MemoryTracker(device="cpu").watch(optimizer=opt).current()["optimizer"] == plain.numel()
     paged.page_deviceid = 1
     assert MemoryTracker(device="cuda:0").watch(optimizer=opt).current()["optimizer"] == 0  # another GPU's pages
+
+
+@pytest.mark.parametrize("tok", ["adamw8bit", "lion8bit"])
+def test_8bit_optimizers_ignore_overrides_left_by_others(tok, monkeypatch):
+    """transformers' Trainer registers its embeddings for 32-bit state on bitsandbytes' process-global
+    GlobalOptimManager, which keeps them by position (group, index): every later bitsandbytes optimizer
+    in the process would give its first parameters 32-bit state. colabkit's optimizers ignore that: their
+    state is the same uint8 state as in a fresh process (the CI failure of test_cli_sigkill_resume_and_fallback)."""
+    from bitsandbytes.optim.optimizer import GlobalOptimManager
+
+    monkeypatch.setattr(GlobalOptimManager, "_instance", None)  # a fresh global manager, restored after the test
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 128))
+
+    def first_states():
+        opt = make_optimizer(model, tok, lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return [opt.state[p]["state1"].dtype for p in model.parameters() if p.numel() >= 4096]
+
+    assert first_states() == [torch.uint8, torch.uint8]  # the reference: 8-bit state in a fresh process
+    other = torch.nn.Embedding(64, 128)  # what transformers' Trainer does for an nn.Embedding with an 8-bit optim
+    GlobalOptimManager.get_instance().register_module_override(other, "weight", {"optim_bits": 32})
+    theirs = bnb.optim.AdamW8bit([other.weight, torch.nn.Parameter(torch.zeros(4096))])
+    other.weight.grad = torch.ones_like(other.weight)
+    theirs.step()  # the override is filed under position (0, 0), for every optimizer in the process
+    assert GlobalOptimManager.get_instance().index2config == {(0, 0): {"optim_bits": 32}}
+    assert first_states() == [torch.uint8, torch.uint8]

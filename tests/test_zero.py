@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import pytest
 import torch
 
@@ -109,19 +111,25 @@ def test_zero1_gradients_are_ddp_buckets_counted_once(runs):
 
 
 def _resume_ranks(directory: str):
-    """In each rank (one spawn for three runs): 4 steps straight; 2 steps + checkpoint; resume to 4."""
-    run = lambda steps, ckpt, resume: train_ranks("gpt-tiny", "zero:3", steps, 4, 16, 0, "cpu", 3e-4,  # noqa: E731
-                                                  ckpt, 2 if ckpt else 0, resume)
-    return run(4, None, False), run(2, directory, False), run(4, directory, True)
+    """In each rank (one spawn for every stage): 4 steps straight; 2 steps + checkpoint; resume to 4."""
+    out = {}
+    for stage in (1, 2, 3):
+        d = os.path.join(directory, f"zero{stage}")
+        run = lambda steps, ckpt, resume: train_ranks("gpt-tiny", f"zero:{stage}", steps, 4, 16, 0, "cpu",  # noqa: E731
+                                                      3e-4, ckpt, 2 if ckpt else 0, resume)
+        out[stage] = run(4, None, False), run(2, d, False), run(4, d, True)
+    return out
 
 
 def test_sharded_resume_is_exact_and_consolidates(tmp_path):
-    full, first, rest = launch(_resume_ranks, WORLD, str(tmp_path), device="cpu")[0]
-    assert rest["weights_sha256"] == full["weights_sha256"] != first["weights_sha256"]  # negative control
-    assert rest["losses"] == full["losses"][2:]
-    model = build_model("gpt-tiny")
-    model.load_state_dict(consolidate(str(tmp_path)))  # one process, no process group
-    assert weights_sha256(model) == full["weights_sha256"]
+    """zero:1 (ZeroRedundancyOptimizer shards in each rank's file), zero:2 and zero:3 (FSDP2 through DCP)."""
+    runs = launch(_resume_ranks, WORLD, str(tmp_path), device="cpu")[0]
+    for stage, (full, first, rest) in runs.items():
+        assert rest["weights_sha256"] == full["weights_sha256"] != first["weights_sha256"], stage  # negative control
+        assert rest["losses"] == full["losses"][2:], stage
+        model = build_model("gpt-tiny")
+        model.load_state_dict(consolidate(str(tmp_path / f"zero{stage}")))  # one process, no process group
+        assert weights_sha256(model) == full["weights_sha256"], stage
 
 
 def test_clear_refusals():

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from .formulas import analytic
 from .planner import COST, candidate_plans, gpt2_shape, largest, pareto, plans, step_time, suggest, _fast_estimate
-from .predict import estimate
+from .predict import estimate, from_config, plan_of_arguments
 from .trace import CUDA_ALLOC_ROUND, check_as_gpu, trace
 from .calibrate import calibrate
 from .cli import _table, register_cli
 
 __all__ = ["analytic", "COST", "candidate_plans", "gpt2_shape", "largest", "pareto", "plans", "step_time",
-           "suggest", "estimate", "calibrate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]
+           "suggest", "estimate", "from_config", "plan_of_arguments", "calibrate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]

@@ -22,19 +22,80 @@ import torch
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
 from ..models import HUB_ALIASES, HUB_CONFIG_DIR, gpt_config, hub_config
-from ..plan import REGISTRY, Context, Plan
+from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_bytes
+from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
 from .zero import for_rank, zero_per_rank
-from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_as_gpu, trace_with_substitutes
+from .trace import (CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, batch_shape, check_as_gpu, described,
+                    trace_with_substitutes)
 
 
-def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "baseline", batch: int = 8,
+def from_config(config: Any) -> Callable[[], torch.nn.Module]:
+    """A factory for a transformers model config: the class its ``architectures`` names (e.g.
+    ``BertForSequenceClassification``), else ``AutoModelForCausalLM`` (what :func:`estimate` builds for
+    a config)."""
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+
+    def build() -> torch.nn.Module:
+        return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+
+    build.__name__ = arch or f"{config.model_type} (AutoModelForCausalLM)"
+    return build
+
+
+def plan_of_arguments(args: Any, plan: Plan | str = "baseline") -> tuple[Plan, int]:
+    """The plan and effective batch a transformers ``TrainingArguments`` trains with: fp16/bf16,
+    gradient checkpointing, ``gradient_accumulation_steps`` (K) and ``optim``, added to ``plan`` (its
+    model-side tokens: lora, qlora, compress, ...); batch = ``per_device_train_batch_size`` x K.
+
+    >>> from types import SimpleNamespace as A
+    >>> p, b = plan_of_arguments(A(fp16=True, gradient_checkpointing=True, gradient_accumulation_steps=4,
+    ...                            optim="adamw_bnb_8bit", per_device_train_batch_size=2), "lora:8")
+    >>> str(p), b
+    ('lora:8+fp16+checkpoint+accum:4+adamw8bit', 8)
+    """
+    tokens = [t for t in ("fp16", "bf16") if getattr(args, t, False)]
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        tokens.append("checkpoint")
+    k = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    if k > 1:
+        tokens.append(f"accum:{k}")
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None)) or "adamw_torch")
+    names = {v: k for k, v in HF_OPTIM.items()} | {"adamw_torch_fused": "adamw", "adamw_hf": "adamw"}
+    if optim not in names:
+        raise PlanError(f"TrainingArguments(optim={optim!r}) has no colabkit token to estimate it with: the estimator "
+                        f"knows {', '.join(sorted(names))}; pass one of those, or plan= with a colabkit optimizer token")
+    if names[optim] == "sgd":
+        momentum = dict(kv.split("=") for kv in (getattr(args, "optim_args", None) or "").split(",") if "=" in kv)
+        tokens.append(f"sgd:{momentum['momentum']}" if "momentum" in momentum else "sgd")
+    elif names[optim] != "adamw":
+        tokens.append(names[optim])
+    plan = Plan.parse(plan)
+    try:
+        return plan.with_tokens(*tokens), int(args.per_device_train_batch_size) * k
+    except PlanError as e:
+        raise PlanError(f"plan {str(plan)!r} and the TrainingArguments ({'+'.join(tokens) or 'baseline'}) overlap: {e}; "
+                        "with args=, give plan= the model-side tokens only (lora, qlora, compress, ...)") from None
+
+
+def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | str = "baseline", batch: int = 8,
              seq: int = 128, gpu: str | None = "t4", device: str | None = None, steps: int = 2,
              budget_bytes: int | None = None, calibration: dict[str, Any] | bool = True,
-             world_size: int = 1) -> dict[str, Any]:
+             world_size: int = 1, inputs: dict[str, Any] | None = None, args: Any = None) -> dict[str, Any]:
     """Predicted peak and per-category breakdown of a training run, on a GPU profile or on the CPU.
+
+    ``model_fn``: a preset or ``hf:<id>`` name, any function returning an ``nn.Module`` (its forward may
+    return a tensor, a tuple or a ``ModelOutput``; the loss is computed as :class:`colabkit.Trainer` does),
+    or a transformers model config. ``inputs`` describes your batch -- each key a sample tensor or a
+    ``(shape, dtype)`` pair, e.g. ``{"pixel_values": ((8, 3, 224, 224), torch.float32), "labels": ((8,),
+    torch.long)}`` -- instead of (batch, seq) token ids; batch and seq are then read from it. ``args``, a
+    transformers ``TrainingArguments``, gives the loop-side plan and the batch (:func:`plan_of_arguments`;
+    with ``inputs``, their first dimension becomes that batch).
 
     ``device="cpu"`` predicts a CPU ``bench`` run (what CI checks); ``gpu="t4"`` (or another key of
     ``GPU_PROFILES``) predicts that GPU: the plan is validated as on a T4 (no bf16), traced on the CPU
@@ -49,10 +110,22 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     >>> r["peak_bytes"] < r["budget_bytes"]
     True
     """
+    if args is not None:
+        plan, batch = plan_of_arguments(args, plan)
+        if inputs is not None:  # what the dataloader yields, as the window colabkit steps on
+            inputs = {k: ((batch, *shape[1:]), dtype) for k, (shape, dtype) in
+                      ((k, described(k, v)) for k, v in inputs.items())}
+    if inputs is not None:
+        batch, seq = batch_shape(inputs)
+    if type(model_fn).__name__.endswith("Config") and hasattr(model_fn, "model_type"):  # a transformers config
+        model_fn = from_config(model_fn)
     profile = _profile(gpu, device)
     plan = Plan.parse(plan)
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
+    if "(AutoModelForCausalLM)" in getattr(model_fn, "__name__", ""):
+        notes.append("the config names no architecture: built as AutoModelForCausalLM (for another head pass a "
+                     "factory, e.g. lambda: BertForSequenceClassification(config))")
     with _as_t4(profile):
         traced_plan, offload = _split_gpu_tokens(plan, profile)
         if profile is not None:
@@ -63,7 +136,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         if disk:
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
-                                   CUDA_ALLOC_ROUND if profile else 1, notes, profile)
+                                   CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0

@@ -161,9 +161,50 @@ def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.
     return model
 
 
+def described(key: str, v: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of one batch entry described by a sample tensor or a ``(shape, dtype)`` pair."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.dtype
+    if isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[1], torch.dtype):
+        return tuple(v[0]), v[1]
+    raise PlanError(f"inputs[{key!r}] = {v!r}: describe each batch entry by a sample tensor or a (shape, dtype) "
+                    "pair, e.g. {'input_ids': ((8, 512), torch.long)}")
+
+
+def fake_batch(inputs: dict[str, Any] | None, batch: int, seq: int) -> Any:
+    """The batch a trace feeds (under ``FakeTensorMode``: shapes, no values). ``inputs`` describes your
+    batch: each key a sample tensor or a ``(shape, dtype)`` pair (``{"input_ids": ((8, 512), torch.long),
+    "labels": ...}``), given to the Trainer as a batch dict; None: ``(x, y)`` token ids of shape (B, S).
+    Values never matter here, so any vocabulary size works.
+
+    >>> b = fake_batch({"pixel_values": ((2, 3, 8, 8), torch.float32), "labels": torch.tensor([1, 0])}, 0, 0)
+    >>> {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
+    {'pixel_values': ((2, 3, 8, 8), torch.float32), 'labels': ((2,), torch.int64)}
+    """
+    if inputs is None:
+        x = torch.zeros(batch, seq, dtype=torch.long)  # (B, S) ids
+        return x, x
+    return {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in ((k, described(k, v)) for k, v in inputs.items())}
+
+
+def batch_shape(inputs: dict[str, Any]) -> tuple[int, int]:
+    """(batch, seq) of a batch description: the first two dimensions of its first entry (seq 1 if none).
+
+    >>> batch_shape({"input_ids": ((8, 512), torch.long)})
+    (8, 512)
+    """
+    shapes = [described(k, v)[0] for k, v in inputs.items()]
+    if not shapes or not shapes[0]:
+        raise PlanError("inputs: describe at least one batch entry with a batch dimension, e.g. "
+                        "{'input_ids': ((8, 512), torch.long)}")
+    return shapes[0][0], shapes[0][1] if len(shapes[0]) > 1 else 1
+
+
 def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch: int, seq: int, steps: int = 2,
-          alloc_round: int = 1, profile: dict | None = None, notes: list[str] | None = None) -> dict[str, Any]:
+          alloc_round: int = 1, profile: dict | None = None, notes: list[str] | None = None,
+          inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of the real Trainer on fake tensors under a tracker; its report.
+    ``inputs``: a batch description (:func:`fake_batch`) instead of (B, S) token ids.
 
     >>> trace("gpt-tiny", "baseline", 2, 16)["breakdown"]["grads"] > 0
     True
@@ -193,9 +234,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
             for step in range(steps):
-                x = torch.randint(0, 256, (batch, seq))  # (B, S) ids; values never matter here
                 tracker.set_step(step)
-                trainer.step(x, x)
+                trainer.step(fake_batch(inputs, batch, seq))
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
@@ -228,12 +268,12 @@ def _shift(t: dict[str, Any], category: str, delta: int) -> None:
 
 
 def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int,
-                           notes: list[str], profile: dict | None = None) -> dict[str, Any]:
+                           notes: list[str], profile: dict | None = None, inputs: dict | None = None) -> dict[str, Any]:
     """Trace the plan; if its optimizer cannot run on fake tensors, trace with a stateless SGD in its
     place and add the optimizer's state from its formula (``state_bytes_per_param``); qlora is traced as
     lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU)."""
     try:
-        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
+        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     except PlanError:
         raise
     except Exception as err:  # noqa: BLE001  (a kernel that reads data pointers, e.g. through ctypes)
@@ -241,7 +281,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
             stand_in = Plan.parse(["lora" + t[len("qlora"):] if t.startswith("qlora") else t for t in plan.tokens])
             # the stand-in computes in qlora's dtype: fp16 on a GPU (as lora there), fp32 on a CPU (lora: bf16)
             with _compute_dtype_of_qlora():
-                t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile)
+                t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile, inputs)
             # qlora's linear weights are NF4; the rest of the frozen base (embeddings, lm_head, norms) stays in
             # the compute dtype: fp16 on a GPU, fp32 on a CPU -- what the stand-in already holds.
             rest = 2 if profile is not None else 4
@@ -261,7 +301,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         stand_in = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
                                for t in plan.tokens] if opt != "adamw" or "adamw" in plan.tokens
                               else list(plan.tokens) + ["sgd"])
-        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes)
+        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes, inputs)
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
         _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "

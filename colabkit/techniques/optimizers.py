@@ -285,8 +285,25 @@ def _adafactor(groups: list[dict], plan: Plan, ctx: Context) -> torch.optim.Opti
     return torch.optim.Adafactor(groups, lr=lr)
 
 
+# transformers' TrainingArguments(optim=...) name of each optimizer token that transformers has
+# (colabkit.hf maps a plan to it; the estimator reads a TrainingArguments back into a plan)
+HF_OPTIM = {"adamw": "adamw_torch", "adamw8bit": "adamw_bnb_8bit", "paged-adamw8bit": "paged_adamw_8bit",
+            "lion": "lion_32bit", "lion8bit": "lion_8bit", "adamw4bit": "adamw_torch_4bit", "adafactor": "adafactor",
+            "sgd": "sgd"}
+
+
 def _bnb_opt(cls_name: str, **kw):
-    return lambda groups, plan, ctx: getattr(_bnb().optim, cls_name)(groups, lr=ctx.lr, **kw)
+    def make(groups, plan, ctx):
+        opt = getattr(_bnb().optim, cls_name)(groups, lr=ctx.lr, **kw)
+        # bitsandbytes files per-parameter overrides on one process-global manager, by position (group,
+        # index): transformers' Trainer registers its embeddings for 32-bit state there, and every later
+        # bitsandbytes optimizer in the process would give its first parameters 32-bit state (other
+        # numbers, other memory). A private, empty manager keeps a plan's optimizer what the plan says.
+        mng = type(opt.mng).__new__(type(opt.mng))
+        mng.initialize()
+        opt.mng = mng
+        return opt
+    return make
 
 
 OPTIMIZERS = [
