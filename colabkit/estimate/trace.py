@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
@@ -25,12 +28,35 @@ from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
+from . import replay as _replay
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
 CUDA_ALLOC_ROUND = 512
 # Tokens whose effect is a GPU/host split: traced without them on the CPU, applied analytically.
 _OFFLOAD = "offload"
+# Optimizers whose kernels read tensor data (bitsandbytes): they cannot run on fake tensors, so the trace runs
+# a stateless SGD in their place and adds their state from its formula -- without importing bitsandbytes.
+NO_FAKE_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "lion", "lion8bit")
+# The reference path (every step traced op by op, the whole model, nothing cached): COLABKIT_ESTIMATE_FULL=1
+# or the full_trace() block. The fast path is tested against it.
+_FULL = [os.environ.get("COLABKIT_ESTIMATE_FULL", "") == "1"]
+
+
+@contextlib.contextmanager
+def full_trace(on: bool = True):
+    """Within the block, estimates take the reference path: the whole model traced, every optimizer step
+    run op by op, no cache -- what the fast path's answers are tested against.
+
+    >>> with full_trace():
+    ...     trace("gpt-tiny", "baseline", 2, 16)["breakdown"]["optimizer"] > 0
+    True
+    """
+    prev, _FULL[0] = _FULL[0], on
+    try:
+        yield
+    finally:
+        _FULL[0] = prev
 
 
 class _HostScalars(TorchDispatchMode):
@@ -172,17 +198,12 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
         with tracker:
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
+            if not _FULL[0]:  # the optimizer's step replayed from per-parameter profiles (same storages)
+                _replay.install(trainer.optimizer, alloc_round, _HostScalars)
             params = count_params(trainer.model)
             trainable = count_params(trainer.model, trainable_only=True)
             shapes = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
-            uses: dict[int, int] = {}
-            for _, p in trainer.model.named_parameters(remove_duplicate=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
-            out_emb = getattr(trainer.model, "get_output_embeddings", lambda: None)()
-            linear = {id(m.weight) for n, m in trainer.model.named_modules() if _lora.quantizable(n, m)
-                      and uses.get(id(m.weight)) == 1 and m is not out_emb}  # what qlora quantizes: untied, not a head
-            frozen = [(p.numel(), id(p) in linear, p.element_size()) for p in trainer.model.parameters()
-                      if not p.requires_grad]
+            frozen = _frozen(trainer.model)
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
             for step in range(steps):
@@ -194,6 +215,21 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+
+
+def _frozen(model: torch.nn.Module) -> list[tuple[int, bool, int]]:
+    """``(numel, quantized by qlora, element size)`` of each frozen parameter; what qlora quantizes: linear
+    weights used once (untied), not the output head."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    if not frozen:  # nothing frozen: no need to look for linear layers (which may import transformers)
+        return []
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out_emb = getattr(model, "get_output_embeddings", lambda: None)()
+    linear = {id(m.weight) for n, m in model.named_modules() if _lora.quantizable(n, m)
+              and uses.get(id(m.weight)) == 1 and m is not out_emb}
+    return [(p.numel(), id(p) in linear, p.element_size()) for p in frozen]
 
 
 @contextlib.contextmanager
@@ -224,8 +260,23 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
                            notes: list[str], profile: dict | None = None) -> dict[str, Any]:
     """Trace the plan; if its optimizer cannot run on fake tensors, trace with a stateless SGD in its
     place and add the optimizer's state from its formula (``state_bytes_per_param``); qlora is traced as
-    lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU)."""
+    lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU).
+    The substitutes are taken at once for what is known not to run on fake tensors (qlora's base,
+    :data:`NO_FAKE_OPTIMIZERS`), after the same checks: no trace runs only to fail (whose half-done step
+    also left a few KiB of noise in the next trace), and bitsandbytes is not imported for an optimizer."""
+    known = None
+    if "qlora" in plan or plan.optimizer in NO_FAKE_OPTIMIZERS:
+        ctx = Context(device=torch.device("cpu"), env=_env_report())
+        if "qlora" in plan:
+            plan.check(ctx)
+        else:
+            tech = REGISTRY[plan.optimizer]
+            if tech.check is not None:
+                tech.check(plan, ctx)
+        known = RuntimeError("bitsandbytes kernels read tensor data")
     try:
+        if known is not None:
+            raise known
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
     except PlanError:
         raise
