@@ -56,6 +56,9 @@ class StepProfile:
         return sum(self.state)
 
 
+_LIFT = torch.ops.aten.lift_fresh.default
+
+
 class _Recorder(TorchDispatchMode):
     """Logs each storage an op creates (bytes rounded up to ``alloc_round``, as the tracker counts them)
     and its release: ``events`` holds ``(key, bytes)`` when created and ``(key, 0)`` when freed."""
@@ -66,7 +69,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = None
+        # torch.tensor(...) builds its data without dispatch, then lifts it: a new storage under FakeTensorMode
+        inputs = set() if func is _LIFT else None
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -120,31 +124,37 @@ def _hyper(group: dict) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
 
 
-def _signature(groups: list[dict]) -> tuple:
+def _signature(groups: list[dict], assume_grads: bool = False) -> tuple:
     """What a step's storages depend on: each group's hyperparameters and each parameter's shape, dtype and
-    gradient dtype (None: no gradient, skipped by the step)."""
-    return tuple((_hyper(g), tuple((tuple(p.shape), p.dtype, None if p.grad is None else p.grad.dtype)
-                                   for p in g["params"])) for g in groups)
+    gradient dtype (None: no gradient, skipped by the step; ``assume_grads``: the parameter's dtype for each
+    parameter that requires one, as backward will make it)."""
+    def grad(p):
+        if assume_grads:
+            return p.dtype if p.requires_grad else None
+        return None if p.grad is None else p.grad.dtype
+    return tuple((_hyper(g), tuple((tuple(p.shape), p.dtype, grad(p)) for p in g["params"])) for g in groups)
 
 
 def profile(opt: torch.optim.Optimizer, alloc_round: int = 1,
-            scalars: Callable[[], TorchDispatchMode] | None = None) -> StepProfile:
+            scalars: Callable[[], TorchDispatchMode] | None = None, assume_grads: bool = False) -> StepProfile:
     """The profile of ``opt.step()`` on its current parameter groups (all of them, or the one parameter a
     fused-step hook shows it): the real ``step`` run twice on fresh fake parameters of the same shapes and
-    dtypes, outside the caller's modes; cached per (class, :func:`_signature`, ``alloc_round``).
+    dtypes (on the meta device), outside the caller's modes; cached per (class, :func:`_signature`, ``alloc_round``).
     ``scalars``: a mode answering host reads of tensor values (the estimator's), if the step reads any."""
     groups = opt.param_groups
-    key = (type(opt), _signature(groups), alloc_round)
+    key = (type(opt), _signature(groups, assume_grads), alloc_round)
     if key in _PROFILES:
         return _PROFILES[key]
-    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
+    # On meta tensors (meta kernels, as FakeTensorMode runs them, without its per-op Python work), outside
+    # the caller's modes: the recording sees only this step.
+    with _disable_current_modes():
         with scalars() if scalars is not None else _Nothing():
             twins = []
             for g, (_, sig) in zip(groups, key[1]):
                 ps = []
                 for shape, dtype, gdtype in sig:
-                    q = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=True)
-                    q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype)
+                    q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=True)
+                    q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device="meta")
                     ps.append(q)
                 twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
             opt.param_groups = twins
@@ -173,6 +183,43 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return None
+
+
+def prefill(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchMode] | None = None) -> bool:
+    """Create the state storages the first step leaves (same bytes, same order), so a trace can start at the
+    second step; False (nothing created) when the first step's scratch peaks above the later steps' (then
+    the first step is not dominated by the second and must be traced). The first step's forward and backward
+    differ from the second's only by the state the second carries; a fused-step wrapper's parameters are
+    filled one by one, as its hooks step them."""
+    inner = getattr(opt, "optimizer", opt)
+    calls = []  # the parameter lists step() will see: one per parameter under fused-step, else all at once
+    for group in inner.param_groups:
+        ps = [p for p in group["params"] if p.requires_grad]
+        calls += [[(group, [p]) for p in ps]] if inner is not opt else [[(group, ps)]]
+    if inner is opt:
+        calls = [[c for call in calls for c in call]]
+    else:
+        calls = [[c] for call in calls for c in call]
+    plans = []
+    for call in calls:
+        groups = inner.param_groups
+        inner.param_groups = [dict(g, params=ps) for g, ps in call]
+        try:  # with gradients as backward makes them: the parameter's dtype
+            prof = profile(inner, alloc_round, scalars, assume_grads=True)
+        finally:
+            inner.param_groups = groups
+        if max(x for _, x in prof.steps[0]) > max(x for _, x in prof.steps[1]):
+            return False
+        plans.append((call, prof))
+    for call, prof in plans:
+        first = call[0][1][0]
+        held = inner.state[first].setdefault("replayed", [])
+        for n in prof.state:
+            held.append(torch.empty(n, dtype=torch.uint8, device=first.device))
+        for _, ps in call:
+            for p in ps:
+                inner.state[p]["replayed_steps"] = 1
+    return True
 
 
 def install(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchMode] | None = None) -> bool:

@@ -9,20 +9,22 @@ the technique's own theory and says so in ``notes``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib
 import math
 import os
-import weakref
+from collections import Counter, OrderedDict
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
-from ..models import build_model, count_params, hf_from_config
+from ..models import GPT, build_model, count_params, gpt_config, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
@@ -33,6 +35,7 @@ from . import replay as _replay
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
 CUDA_ALLOC_ROUND = 512
+_env = importlib.import_module("..env", __package__)  # the module: the package exports a function named env
 # Tokens whose effect is a GPU/host split: traced without them on the CPU, applied analytically.
 _OFFLOAD = "offload"
 # Optimizers whose kernels read tensor data (bitsandbytes): they cannot run on fake tensors, so the trace runs
@@ -59,6 +62,9 @@ def full_trace(on: bool = True):
         _FULL[0] = prev
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class _HostScalars(TorchDispatchMode):
     """Answer host reads of tensor values (``.item()``, ``float(loss)``) on fake tensors: only shapes
     matter for memory. The GradScaler's inf flags read 0 (no inf: the step runs, as it does on real
@@ -69,6 +75,10 @@ class _HostScalars(TorchDispatchMode):
         self.flags: set[int] = set()  # storages written as found_inf by the GradScaler's unscale
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and hasattr(args[0], "fake_device"):
+            # a fake tensor's .device (autograd asks for every gradient: most ops of a trace): answered here,
+            # above the tracker (it allocates nothing) and without FakeTensorMode's dispatch
+            return args[0].fake_device
         if func is torch.ops.aten._local_scalar_dense.default:
             return 0 if id(args[0].untyped_storage()) in self.flags else 1
         if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
@@ -194,19 +204,26 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     plan = Plan.parse(plan)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     notes = [] if notes is None else notes
-    with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data(), _attention_as(profile, plan, notes):
+    with FakeTensorMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
-        with tracker:
+        with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
-            if not _FULL[0]:  # the optimizer's step replayed from per-parameter profiles (same storages)
-                _replay.install(trainer.optimizer, alloc_round, _HostScalars)
+            run = range(steps)
+            # the optimizer's step replayed from profiles of the real one (same storages); and where the first
+            # step is dominated by the second (it only lacks the state), the state made directly and one traced
+            if not _FULL[0] and _replay.install(trainer.optimizer, alloc_round, _HostScalars) and steps > 1 \
+                    and _replay.prefill(trainer.optimizer, alloc_round, _HostScalars):
+                if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
+                    trainer.scaler.scale(torch.ones(()))
+                run = range(steps - 1, steps)
             params = count_params(trainer.model)
             trainable = count_params(trainer.model, trainable_only=True)
             shapes = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
             frozen = _frozen(trainer.model)
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
-            for step in range(steps):
+            for step in run:
+                trainer.step_count = step
                 x = torch.randint(0, 256, (batch, seq))  # (B, S) ids; values never matter here
                 tracker.set_step(step)
                 trainer.step(x, x)
@@ -215,6 +232,9 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+
+
+_REAL_COMPUTE_DTYPE = _lora.compute_dtype
 
 
 def _frozen(model: torch.nn.Module) -> list[tuple[int, bool, int]]:
@@ -237,11 +257,103 @@ def _compute_dtype_of_qlora():
     """While tracing qlora's lora stand-in, give the frozen base qlora's compute dtype (lora's own choice
     differs on a CPU: bf16 against qlora's fp32), so activations are traced in the dtype the run uses."""
     real = _lora.compute_dtype
-    _lora.compute_dtype = lambda ctx, quantize: real(ctx, True)
+    _lora.compute_dtype = lambda ctx, quantize: _REAL_COMPUTE_DTYPE(ctx, True)
     try:
         yield
     finally:
         _lora.compute_dtype = real
+
+
+# ----- the fast path: each distinct trace once, deep GPTs from 1- and 2-layer traces ---------------------
+_CACHE: "OrderedDict[tuple, tuple[dict, list[str]]]" = OrderedDict()
+CACHE_SIZE = 256  # traces kept in this process (a few KiB each)
+
+
+def _gpt_of(model_fn: Any, seq: int):
+    """The GPTConfig a model is built from (a preset or ``gpt:LxD`` name, or a builder carrying
+    ``_colabkit_config``), with the position table widened to ``seq`` as :func:`~colabkit.models.build_model`
+    does; None for other families."""
+    cfg = getattr(model_fn, "_colabkit_config", None)
+    if cfg is None and isinstance(model_fn, str) and not model_fn.startswith("hf:"):
+        try:
+            cfg = gpt_config(model_fn, dropout=0.0)  # build_model's dropout
+        except ValueError:
+            return None
+    if cfg is not None and seq > cfg.block_size:
+        cfg = replace(cfg, block_size=seq)
+    return cfg
+
+
+def gpt_builder(cfg) -> Callable[[], torch.nn.Module]:
+    """A builder of ``GPT(cfg)`` that the estimator recognises: its traces are cached and extrapolated in depth.
+
+    >>> gpt_builder(gpt_config("gpt:3x64")).__name__
+    'gpt:3x64:v256'
+    """
+    f = lambda: GPT(cfg)  # noqa: E731
+    f.__name__ = f"gpt:{cfg.n_layer}x{cfg.n_embd}:v{cfg.vocab_size}"
+    f._colabkit_config = cfg
+    return f
+
+
+def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg) -> dict[str, Any]:
+    """A trace at depth ``cfg.n_layer`` from traces at depths 1 and 2: every block is the same, so each phase's
+    peak, its composition and each category's own peak in it are affine in depth, as are the parameter counts
+    and lists; the step's peak is the largest phase's (at depth 1 it may sit in backward and move to the
+    optimizer step at depth 48)."""
+    L = cfg.n_layer
+    lin = lambda a, b: int(a + (b - a) * (L - 1))  # noqa: E731
+    phases = {}
+    for p in t2["phase_peaks"]:
+        a, b = t1["phase_peaks"].get(p, t2["phase_peaks"][p]), t2["phase_peaks"][p]
+        phases[p] = {"peak": lin(a["peak"], b["peak"]),
+                     "at_peak": {c: lin(a["at_peak"][c], b["at_peak"][c]) for c in b["at_peak"]},
+                     "own": {c: lin(a["own"][c], b["own"][c]) for c in b["own"]}}
+    top = max(phases, key=lambda p: phases[p]["peak"])
+
+    def more(k):  # depth 1's list plus (L - 1) copies of what depth 2 adds
+        extra = Counter(t2[k]) - Counter(t1[k])
+        return list(t1[k]) + [x for x, n in extra.items() for _ in range(n * (L - 1))]
+
+    return {"peak_bytes": phases[top]["peak"], "at_peak": dict(phases[top]["at_peak"]), "peak_phase": top,
+            "breakdown": {c: max(v["own"][c] for v in phases.values()) for c in t2["breakdown"]},
+            "phase_peaks": phases, "params": lin(t1["params"], t2["params"]),
+            "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
+            "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
+            "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None}
+
+
+def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int, profile: dict | None,
+            notes: list[str]) -> dict[str, Any]:
+    """:func:`trace`, each distinct one once per process (a copy from the cache after that), and a GPT of 3
+    or more layers from its 1- and 2-layer traces (:func:`_affine`); :func:`full_trace` turns both off.
+    The key holds everything a trace depends on: the model (name or config), plan, batch, sequence, steps,
+    allocator rounding, the GPU profile (attention kernel), T4 rules, and qlora's compute-dtype stand-in."""
+    cfg = _gpt_of(model_fn, seq)
+    model_key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else None
+    if _FULL[0] or model_key is None:
+        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
+    key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
+           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE)
+    hit = _CACHE.get(key)
+    if hit is None:
+        extrapolate = (cfg is not None and cfg.n_layer >= 3 and plan.get("checkpoint") in (None, True)
+                       and "offload:params" not in plan and "offload:activations" not in plan)
+        own: list[str] = []
+        if extrapolate:
+            t1 = _traced(gpt_builder(replace(cfg, n_layer=1)), plan, batch, seq, steps, alloc_round, profile, [])
+            t2 = _traced(gpt_builder(replace(cfg, n_layer=2)), plan, batch, seq, steps, alloc_round, profile, own)
+            t = _affine(t1, t2, cfg)
+            own.append(f"trace: {cfg.n_layer} layers extrapolated from 1- and 2-layer traces (each phase's peak is "
+                       "affine in depth)")
+        else:
+            t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
+        hit = _CACHE[key] = (t, own)
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    notes.extend(hit[1])
+    return copy.deepcopy(hit[0])
 
 
 def _shift(t: dict[str, Any], category: str, delta: int) -> None:
@@ -277,7 +389,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
     try:
         if known is not None:
             raise known
-        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
+        return _traced(model_fn, plan, batch, seq, steps, alloc_round, profile, notes)
     except PlanError:
         raise
     except Exception as err:  # noqa: BLE001  (a kernel that reads data pointers, e.g. through ctypes)
@@ -305,7 +417,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         stand_in = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
                                for t in plan.tokens] if opt != "adamw" or "adamw" in plan.tokens
                               else list(plan.tokens) + ["sgd"])
-        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes)
+        t = _traced(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes)
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
         _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "
