@@ -158,9 +158,9 @@ def gpt2_shape(n_embd: int, vocab: int = GPT2_VOCAB, block: int = 1024) -> GPTCo
 
 def _fast_estimate(cfg: GPTConfig, plan: str, batch: int, seq: int, gpu: str | None, device: str | None,
                    budget_bytes: int | None = None) -> dict:
-    """Estimate a deep GPT from traces at depth 1 and 2: every block is the same, so each phase's peak
+    """Estimate a deep GPT from traces at depths 2 and 3: every block is the same, so each phase's peak
     (forward, backward, optimizer step) is affine in depth; the largest at depth L is the step's peak
-    (:func:`.trace._affine`; the traces are cached, so plans and widths that share one trace it once).
+    (:func:`.trace._affine`; the traces are cached, so plans that share one trace it once).
     Checked against full traces over several depths and plans by the tests."""
     out = estimate(gpt_builder(cfg), plan, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes)
     out["model"] = f"gpt:{cfg.n_layer}x{cfg.n_embd}:v{cfg.vocab_size}"

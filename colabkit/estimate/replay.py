@@ -135,14 +135,19 @@ def _signature(groups: list[dict], assume_grads: bool = False) -> tuple:
     return tuple((_hyper(g), tuple((tuple(p.shape), p.dtype, grad(p)) for p in g["params"])) for g in groups)
 
 
+def _key(opt: Any, signature: tuple, alloc_round: int) -> tuple:
+    return type(opt), signature, alloc_round
+
+
 def profile(opt: torch.optim.Optimizer, alloc_round: int = 1,
             scalars: Callable[[], TorchDispatchMode] | None = None, assume_grads: bool = False) -> StepProfile:
     """The profile of ``opt.step()`` on its current parameter groups (all of them, or the one parameter a
     fused-step hook shows it): the real ``step`` run twice on fresh fake parameters of the same shapes and
-    dtypes (on the meta device), outside the caller's modes; cached per (class, :func:`_signature`, ``alloc_round``).
+    dtypes (on the meta device), outside the caller's modes; cached per (class, :func:`_signature`, ``alloc_round``): :func:`_key`.
     ``scalars``: a mode answering host reads of tensor values (the estimator's), if the step reads any."""
     groups = opt.param_groups
-    key = (type(opt), _signature(groups, assume_grads), alloc_round)
+    sig = _signature(groups, assume_grads)
+    key = _key(opt, sig, alloc_round)
     if key in _PROFILES:
         return _PROFILES[key]
     # On meta tensors (meta kernels, as FakeTensorMode runs them, without its per-op Python work), outside
@@ -150,9 +155,9 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1,
     with _disable_current_modes():
         with scalars() if scalars is not None else _Nothing():
             twins = []
-            for g, (_, sig) in zip(groups, key[1]):
+            for g, (_, params) in zip(groups, sig):
                 ps = []
-                for shape, dtype, gdtype in sig:
+                for shape, dtype, gdtype in params:
                     q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=True)
                     q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device="meta")
                     ps.append(q)

@@ -266,6 +266,7 @@ def _compute_dtype_of_qlora():
 
 # ----- the fast path: each distinct trace once, deep GPTs from 1- and 2-layer traces ---------------------
 _CACHE: "OrderedDict[tuple, tuple[dict, list[str]]]" = OrderedDict()
+DEPTHS = (2, 3)  # a deeper GPT is extrapolated from traces at these depths
 CACHE_SIZE = 256  # traces kept in this process (a few KiB each)
 
 
@@ -296,13 +297,14 @@ def gpt_builder(cfg) -> Callable[[], torch.nn.Module]:
     return f
 
 
-def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg) -> dict[str, Any]:
-    """A trace at depth ``cfg.n_layer`` from traces at depths 1 and 2: every block is the same, so each phase's
-    peak, its composition and each category's own peak in it are affine in depth, as are the parameter counts
-    and lists; the step's peak is the largest phase's (at depth 1 it may sit in backward and move to the
-    optimizer step at depth 48)."""
+def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0]) -> dict[str, Any]:
+    """A trace at depth ``cfg.n_layer`` from traces at depths ``depth`` and ``depth + 1``: every block is the
+    same, so each phase's peak, its composition and each category's own peak in it are affine in depth, as
+    are the parameter counts and lists; the step's peak is the largest phase's (it may sit in backward at a
+    small depth and move to the optimizer step at depth 48). Not from depth 1: there the embedding and head
+    can hold a phase's peak at another moment than at depth 2 and beyond (fused-step at small sizes)."""
     L = cfg.n_layer
-    lin = lambda a, b: int(a + (b - a) * (L - 1))  # noqa: E731
+    lin = lambda a, b: int(a + (b - a) * (L - depth))  # noqa: E731
     phases = {}
     for p in t2["phase_peaks"]:
         a, b = t1["phase_peaks"].get(p, t2["phase_peaks"][p]), t2["phase_peaks"][p]
@@ -311,9 +313,9 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg) -> dict[str, Any]:
                      "own": {c: lin(a["own"][c], b["own"][c]) for c in b["own"]}}
     top = max(phases, key=lambda p: phases[p]["peak"])
 
-    def more(k):  # depth 1's list plus (L - 1) copies of what depth 2 adds
+    def more(k):  # the first trace's list plus (L - depth) copies of what one more block adds
         extra = Counter(t2[k]) - Counter(t1[k])
-        return list(t1[k]) + [x for x, n in extra.items() for _ in range(n * (L - 1))]
+        return list(t1[k]) + [x for x, n in extra.items() for _ in range(n * (L - depth))]
 
     return {"peak_bytes": phases[top]["peak"], "at_peak": dict(phases[top]["at_peak"]), "peak_phase": top,
             "breakdown": {c: max(v["own"][c] for v in phases.values()) for c in t2["breakdown"]},
@@ -325,8 +327,8 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg) -> dict[str, Any]:
 
 def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int, profile: dict | None,
             notes: list[str]) -> dict[str, Any]:
-    """:func:`trace`, each distinct one once per process (a copy from the cache after that), and a GPT of 3
-    or more layers from its 1- and 2-layer traces (:func:`_affine`); :func:`full_trace` turns both off.
+    """:func:`trace`, each distinct one once per process (a copy from the cache after that), and a GPT deeper
+    than :data:`DEPTHS` from traces at those depths (:func:`_affine`); :func:`full_trace` turns both off.
     The key holds everything a trace depends on: the model (name or config), plan, batch, sequence, steps,
     allocator rounding, the GPU profile (attention kernel), T4 rules, and qlora's compute-dtype stand-in."""
     cfg = _gpt_of(model_fn, seq)
@@ -337,15 +339,15 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
            _lora.compute_dtype is not _REAL_COMPUTE_DTYPE)
     hit = _CACHE.get(key)
     if hit is None:
-        extrapolate = (cfg is not None and cfg.n_layer >= 3 and plan.get("checkpoint") in (None, True)
+        extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
                        and "offload:params" not in plan and "offload:activations" not in plan)
         own: list[str] = []
         if extrapolate:
-            t1 = _traced(gpt_builder(replace(cfg, n_layer=1)), plan, batch, seq, steps, alloc_round, profile, [])
-            t2 = _traced(gpt_builder(replace(cfg, n_layer=2)), plan, batch, seq, steps, alloc_round, profile, own)
-            t = _affine(t1, t2, cfg)
-            own.append(f"trace: {cfg.n_layer} layers extrapolated from 1- and 2-layer traces (each phase's peak is "
-                       "affine in depth)")
+            t1, t2 = (_traced(gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq, steps, alloc_round, profile,
+                              own if d == DEPTHS[1] else []) for d in DEPTHS)
+            t = _affine(t1, t2, cfg, DEPTHS[0])
+            own.append(f"trace: {cfg.n_layer} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces "
+                       "(each phase's peak is affine in depth)")
         else:
             t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
         hit = _CACHE[key] = (t, own)
