@@ -5,7 +5,7 @@ parameter (AdamW4bit: a loop over chunks of every tensor) -- most of a ``plan`` 
 tracker needs from it is only which storages it creates and frees. For optimizers that update each
 parameter on its own (:data:`REPLAYABLE`), :func:`install` replaces ``step`` on the optimizer instance by
 a replay: the step is profiled once per (optimizer class, hyperparameters, the parameters' shapes and
-dtypes, allocator rounding) by running the real ``step`` on fresh fake parameters of those shapes
+dtypes, allocator rounding) by running the real ``step`` on fresh meta parameters of those shapes
 (:func:`profile`), and replayed as the state storages the real step keeps (same bytes, same order) with,
 before each new state storage and at the end, one temporary as large as the step's scratch at that local
 peak. The peaks the tracker records -- total, each category's own, the categories at the peak -- are
@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
@@ -57,21 +56,25 @@ class StepProfile:
 
 
 _LIFT = torch.ops.aten.lift_fresh.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
 
 
 class _Recorder(TorchDispatchMode):
     """Logs each storage an op creates (bytes rounded up to ``alloc_round``, as the tracker counts them)
-    and its release: ``events`` holds ``(key, bytes)`` when created and ``(key, 0)`` when freed."""
+    and its release: ``events`` holds ``(key, bytes)`` when created and ``(key, 0)`` when freed. A host read
+    of a tensor's value (``.item()``) reads 1, as in the estimator's trace (step counters start at 1)."""
 
     def __init__(self, alloc_round: int):
         super().__init__()
         self.round, self.events, self.live, self._n = alloc_round, [], {}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _ITEM:
+            return 1
         out = func(*args, **(kwargs or {}))
         # torch.tensor(...) builds its data without dispatch, then lifts it: a new storage under FakeTensorMode
         inputs = set() if func is _LIFT else None
-        for t in tree_flatten(out)[0]:
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
             for st in _storages(t):
@@ -139,12 +142,11 @@ def _key(opt: Any, signature: tuple, alloc_round: int) -> tuple:
     return type(opt), signature, alloc_round
 
 
-def profile(opt: torch.optim.Optimizer, alloc_round: int = 1,
-            scalars: Callable[[], TorchDispatchMode] | None = None, assume_grads: bool = False) -> StepProfile:
+def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool = False) -> StepProfile:
     """The profile of ``opt.step()`` on its current parameter groups (all of them, or the one parameter a
-    fused-step hook shows it): the real ``step`` run twice on fresh fake parameters of the same shapes and
-    dtypes (on the meta device), outside the caller's modes; cached per (class, :func:`_signature`, ``alloc_round``): :func:`_key`.
-    ``scalars``: a mode answering host reads of tensor values (the estimator's), if the step reads any."""
+    fused-step hook shows it): the real ``step`` run twice on fresh meta parameters of the same shapes and
+    dtypes, outside the caller's modes; cached per (class, :func:`_signature`,
+    ``alloc_round``): :func:`_key`."""
     groups = opt.param_groups
     sig = _signature(groups, assume_grads)
     key = _key(opt, sig, alloc_round)
@@ -153,44 +155,35 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1,
     # On meta tensors (meta kernels, as FakeTensorMode runs them, without its per-op Python work), outside
     # the caller's modes: the recording sees only this step.
     with _disable_current_modes():
-        with scalars() if scalars is not None else _Nothing():
-            twins = []
-            for g, (_, params) in zip(groups, sig):
-                ps = []
-                for shape, dtype, gdtype in params:
-                    q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=True)
-                    q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device="meta")
-                    ps.append(q)
-                twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
-            opt.param_groups = twins
-            state: list[int] = []
-            steps = []
-            try:
-                for _ in range(2):
-                    rec = _Recorder(alloc_round)
-                    with rec:
-                        type(opt).step(opt)
-                    keys = {rec.live[id(s)] for g in twins for q in g["params"]
-                            for t in tensors_in(opt.state.get(q, {})) for s in _storages(t) if id(s) in rec.live}
-                    steps.append(_points(rec.events, keys, state))
-            finally:
-                opt.param_groups = groups
-                for g in twins:
-                    for q in g["params"]:
-                        opt.state.pop(q, None)
+        twins = []
+        for g, (_, params) in zip(groups, sig):
+            ps = []
+            for shape, dtype, gdtype in params:
+                q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=True)
+                q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device="meta")
+                ps.append(q)
+            twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
+        opt.param_groups = twins
+        state: list[int] = []
+        steps = []
+        try:
+            for _ in range(2):
+                rec = _Recorder(alloc_round)
+                with rec:
+                    type(opt).step(opt)
+                keys = {rec.live[id(s)] for g in twins for q in g["params"]
+                        for t in tensors_in(opt.state.get(q, {})) for s in _storages(t) if id(s) in rec.live}
+                steps.append(_points(rec.events, keys, state))
+        finally:
+            opt.param_groups = groups
+            for g in twins:
+                for q in g["params"]:
+                    opt.state.pop(q, None)
     _PROFILES[key] = prof = StepProfile(tuple(state), tuple(steps))
     return prof
 
 
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
-def prefill(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchMode] | None = None) -> bool:
+def prefill(opt: Any, alloc_round: int = 1) -> bool:
     """Create the state storages the first step leaves (same bytes, same order), so a trace can start at the
     second step; False (nothing created) when the first step's scratch peaks above the later steps' (then
     the first step is not dominated by the second and must be traced). The first step's forward and backward
@@ -210,7 +203,7 @@ def prefill(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchM
         groups = inner.param_groups
         inner.param_groups = [dict(g, params=ps) for g, ps in call]
         try:  # with gradients as backward makes them: the parameter's dtype
-            prof = profile(inner, alloc_round, scalars, assume_grads=True)
+            prof = profile(inner, alloc_round, assume_grads=True)
         finally:
             inner.param_groups = groups
         if max(x for _, x in prof.steps[0]) > max(x for _, x in prof.steps[1]):
@@ -227,7 +220,7 @@ def prefill(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchM
     return True
 
 
-def install(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchMode] | None = None) -> bool:
+def install(opt: Any, alloc_round: int = 1) -> bool:
     """Replace ``opt.step`` (the innermost optimizer: a fused-step wrapper's ``.optimizer``) by its replay;
     False (nothing changed) when its class is not in :data:`REPLAYABLE` or it runs a multi-tensor path."""
     inner = getattr(opt, "optimizer", opt)
@@ -242,7 +235,7 @@ def install(opt: Any, alloc_round: int = 1, scalars: Callable[[], TorchDispatchM
         params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return loss
-        prof = profile(inner, alloc_round, scalars)
+        prof = profile(inner, alloc_round)
         st = inner.state[params[0]]  # the replayed state storages, found by the tracker like real state
         held = st.setdefault("replayed", [])
         later = any(inner.state[p].get("replayed_steps") for p in params)

@@ -211,8 +211,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             run = range(steps)
             # the optimizer's step replayed from profiles of the real one (same storages); and where the first
             # step is dominated by the second (it only lacks the state), the state made directly and one traced
-            if not _FULL[0] and _replay.install(trainer.optimizer, alloc_round, _HostScalars) and steps > 1 \
-                    and _replay.prefill(trainer.optimizer, alloc_round, _HostScalars):
+            if not _FULL[0] and _replay.install(trainer.optimizer, alloc_round) and steps > 1 \
+                    and _replay.prefill(trainer.optimizer, alloc_round):
                 if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
                     trainer.scaler.scale(torch.ones(()))
                 run = range(steps - 1, steps)
