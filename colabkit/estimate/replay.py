@@ -121,6 +121,7 @@ def _points(events: list[tuple[int, int]], state_keys: set[int], state: list[int
 
 
 _PROFILES: dict[tuple, StepProfile] = {}
+PROFILES_KEPT = 1024
 
 
 def _hyper(group: dict) -> tuple:
@@ -179,6 +180,8 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool
             for g in twins:
                 for q in g["params"]:
                     opt.state.pop(q, None)
+    if len(_PROFILES) >= PROFILES_KEPT:  # a long session (largest's bisection): start over rather than grow
+        _PROFILES.clear()
     _PROFILES[key] = prof = StepProfile(tuple(state), tuple(steps))
     return prof
 
