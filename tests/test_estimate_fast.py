@@ -21,7 +21,7 @@ trace_mod = importlib.import_module("colabkit.estimate.trace")  # the package ex
 # 4 layers: extrapolated from 2 and 3; 2 layers: traced whole. Batch x seq small: the check is exact, not statistical.
 CASES = [("gpt:4x128", p) for p in ("baseline", "adamw4bit", "adamw8bit", "lion", "adafactor", "fused-step",
                                     "checkpoint+adamw4bit+fused-step", "accum:2", "fp16+checkpoint", "qlora:4",
-                                    "offload:optimizer", "compress:int8+sgd:0.9")] + \
+                                    "offload:optimizer", "offload:params", "compress:int8+sgd:0.9")] + \
         [("gpt:2x64", p) for p in ("adamw4bit", "lora:4+adamw4bit")]
 
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
-from ..models import GPT, build_model, count_params, gpt_config, hf_from_config
+from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
@@ -101,7 +101,8 @@ def _as_t4(profile: dict | None):
 
 def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset]:
     """On a GPU profile, the plan traced on the CPU: offload tokens removed (applied analytically),
-    ``paged-`` optimizers traced unpaged (same state; paging acts only under pressure), and an
+    ``paged-`` optimizers traced unpaged (same state; paging acts only under pressure), ``offload:params``
+    traced with ``checkpoint`` (it recomputes every block in backward from the block's input), and an
     attention backend token removed (the CPU's fused SDPA kernel, like T4's efficient one, keeps no S x S)."""
     offload = frozenset(plan.get(_OFFLOAD) or ())
     if profile is None:
@@ -111,6 +112,8 @@ def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset
         if tok.startswith("offload:") or tok in ("attention:efficient", "attention:flash"):
             continue
         keep.append(tok[len("paged-"):] if tok.startswith("paged-") else tok)
+    if "params" in offload:  # a streamed block is recomputed in backward: its activations are checkpoint's
+        keep.append("checkpoint")
     return Plan.parse(keep or "baseline"), offload
 
 
@@ -219,6 +222,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             params = count_params(trainer.model)
             trainable = count_params(trainer.model, trainable_only=True)
             shapes = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
+            try:  # what offload:params streams: the transformer blocks' trainable weights
+                block_shapes = [tuple(p.shape) for p in blocks_of(trainer.model).parameters() if p.requires_grad]
+            except (ValueError, AttributeError, TypeError):
+                block_shapes = None
             frozen = _frozen(trainer.model)
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
@@ -231,7 +238,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
-            "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+            "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
 
 
 _REAL_COMPUTE_DTYPE = _lora.compute_dtype
@@ -322,6 +329,7 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0])
             "phase_peaks": phases, "params": lin(t1["params"], t2["params"]),
             "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
             "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
+            "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,
             "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None}
 
 
