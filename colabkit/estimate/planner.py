@@ -13,12 +13,11 @@ from typing import Any, Iterable
 import torch
 
 from ..env import GPU_PROFILES
-from ..memory import CATEGORIES
-from ..models import GPT, GPT2_VOCAB, GPTConfig, gpt_config
+from ..models import GPT2_VOCAB, GPTConfig, gpt_config
 from ..oom import register_suggester
 from ..plan import REGISTRY, Context, Plan, PlanError
-from .predict import estimate, rejudge
-from .trace import _as_t4, check_as_gpu
+from .predict import estimate
+from .trace import _as_t4, check_as_gpu, gpt_builder
 
 GiB = 1024**3
 
@@ -159,36 +158,12 @@ def gpt2_shape(n_embd: int, vocab: int = GPT2_VOCAB, block: int = 1024) -> GPTCo
 
 def _fast_estimate(cfg: GPTConfig, plan: str, batch: int, seq: int, gpu: str | None, device: str | None,
                    budget_bytes: int | None = None) -> dict:
-    """Estimate a deep GPT from traces at depth 1 and 2: every block is the same, so each phase's peak
-    (forward, backward, optimizer step) is affine in depth; the largest at depth L is the step's peak.
-    Checked against full traces over several depths and plans by the tests (within 1%)."""
-    def fn(L):
-        c = replace(cfg, n_layer=L)
-        f = lambda: GPT(c)  # noqa: E731
-        f.__name__ = f"gpt:{L}x{cfg.n_embd}:v{cfg.vocab_size}"
-        return estimate(f, plan, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes)
-    r1, r2 = fn(1), fn(2)
-    L = cfg.n_layer
-    lin = lambda a, b: int(a + (b - a) * (L - 1))  # noqa: E731
-    out = dict(r2)
-    # Each phase's peak is affine in depth on its own; the step's peak is the largest of them at depth L
-    # (at depth 1 the peak may sit in backward and move to the optimizer step at depth 48).
-    phases = {}
-    for p in set(r1["phase_peaks"]) & set(r2["phase_peaks"]):
-        a, b = r1["phase_peaks"][p], r2["phase_peaks"][p]
-        phases[p] = {"peak": lin(a["peak"], b["peak"]),
-                     "at_peak": {c: lin(a["at_peak"][c], b["at_peak"][c]) for c in CATEGORIES},
-                     "own": {c: lin(a["own"][c], b["own"][c]) for c in CATEGORIES}}
-    top = max(phases, key=lambda p: phases[p]["peak"])
-    out["phase_peaks"], out["peak_phase"] = phases, top
-    out["peak_bytes"], out["at_peak"] = phases[top]["peak"], phases[top]["at_peak"]
-    out["breakdown"] = {c: max(v["own"][c] for v in phases.values()) for c in CATEGORIES}
-    out["host_bytes"] = lin(r1["host_bytes"], r2["host_bytes"])
-    out["params"], out["trainable_params"] = cfg.n_params, lin(r1["trainable_params"], r2["trainable_params"])
-    if "overheads" in r2:  # GPU terms (issue 12) are affine in depth too: extrapolated like the peak
-        out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
-    out.update(rejudge(out, lin(r1["resources"]["device"]["uncertainty"], r2["resources"]["device"]["uncertainty"])))
-    out["model"] = f"gpt:{L}x{cfg.n_embd}:v{cfg.vocab_size}"
+    """Estimate a deep GPT from traces at depths 2 and 3: every block is the same, so each phase's peak
+    (forward, backward, optimizer step) is affine in depth; the largest at depth L is the step's peak
+    (:func:`.trace._affine`; the traces are cached, so plans that share one trace it once).
+    Checked against full traces over several depths and plans by the tests."""
+    out = estimate(gpt_builder(cfg), plan, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes)
+    out["model"] = f"gpt:{cfg.n_layer}x{cfg.n_embd}:v{cfg.vocab_size}"
     return out
 
 

@@ -279,6 +279,8 @@ def _build_bytes(model_fn: Any, plan: Plan, params: int) -> int:
     materialised layer by layer into NF4 / 16 bits (colabkit.techniques.lora), so the step's own
     parameter bytes are the build's too (0: nothing beyond the step)."""
     name = model_fn if isinstance(model_fn, str) else ""
+    if hasattr(model_fn, "_colabkit_config"):  # a GPT shape the planner builds (trace.gpt_builder): gpt:LxD:vV
+        name = model_fn.__name__
     if "qlora" in plan and name.startswith("hf:"):
         return 0
     if ("lora" in plan or "qlora" in plan) and not name.startswith("hf:") and name:

@@ -9,7 +9,12 @@ the technique's own theory and says so in ``notes``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib
 import math
+import os
+from collections import Counter, OrderedDict
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -19,18 +24,45 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
-from ..models import blocks_of, build_model, count_params, hf_from_config
+from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
+from . import replay as _replay
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
 CUDA_ALLOC_ROUND = 512
+_env = importlib.import_module("..env", __package__)  # the module: the package exports a function named env
 # Tokens whose effect is a GPU/host split: traced without them on the CPU, applied analytically.
 _OFFLOAD = "offload"
+# Optimizers whose kernels read tensor data (bitsandbytes): they cannot run on fake tensors, so the trace runs
+# a stateless SGD in their place and adds their state from its formula -- without importing bitsandbytes.
+NO_FAKE_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "lion", "lion8bit")
+# The reference path (every step traced op by op, the whole model, nothing cached): COLABKIT_ESTIMATE_FULL=1
+# or the full_trace() block. The fast path is tested against it.
+_FULL = [os.environ.get("COLABKIT_ESTIMATE_FULL", "") == "1"]
+
+
+@contextlib.contextmanager
+def full_trace(on: bool = True):
+    """Within the block, estimates take the reference path: the whole model traced, every optimizer step
+    run op by op, no cache -- what the fast path's answers are tested against.
+
+    >>> with full_trace():
+    ...     trace("gpt-tiny", "baseline", 2, 16)["breakdown"]["optimizer"] > 0
+    True
+    """
+    prev, _FULL[0] = _FULL[0], on
+    try:
+        yield
+    finally:
+        _FULL[0] = prev
+
+
+_DEVICE = torch.ops.prim.device.default
 
 
 class _HostScalars(TorchDispatchMode):
@@ -43,6 +75,10 @@ class _HostScalars(TorchDispatchMode):
         self.flags: set[int] = set()  # storages written as found_inf by the GradScaler's unscale
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and hasattr(args[0], "fake_device"):
+            # a fake tensor's .device (autograd asks for every gradient: most ops of a trace): answered here,
+            # above the tracker (it allocates nothing) and without FakeTensorMode's dispatch
+            return args[0].fake_device
         if func is torch.ops.aten._local_scalar_dense.default:
             return 0 if id(args[0].untyped_storage()) in self.flags else 1
         if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
@@ -212,10 +248,18 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     plan = Plan.parse(plan)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     notes = [] if notes is None else notes
-    with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data(), _attention_as(profile, plan, notes):
+    with FakeTensorMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
-        with tracker:
+        with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
+            run = range(steps)
+            # the optimizer's step replayed from profiles of the real one (same storages); and where the first
+            # step is dominated by the second (it only lacks the state), the state made directly and one traced
+            if not _FULL[0] and _replay.install(trainer.optimizer, alloc_round) and steps > 1 \
+                    and _replay.prefill(trainer.optimizer, alloc_round):
+                if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
+                    trainer.scaler.scale(torch.ones(()))
+                run = range(steps - 1, steps)
             params = count_params(trainer.model)
             trainable = count_params(trainer.model, trainable_only=True)
             shapes = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
@@ -223,17 +267,11 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
                 block_shapes = [tuple(p.shape) for p in blocks_of(trainer.model).parameters() if p.requires_grad]
             except (ValueError, AttributeError, TypeError):
                 block_shapes = None
-            uses: dict[int, int] = {}
-            for _, p in trainer.model.named_parameters(remove_duplicate=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
-            out_emb = getattr(trainer.model, "get_output_embeddings", lambda: None)()
-            linear = {id(m.weight) for n, m in trainer.model.named_modules() if _lora.quantizable(n, m)
-                      and uses.get(id(m.weight)) == 1 and m is not out_emb}  # what qlora quantizes: untied, not a head
-            frozen = [(p.numel(), id(p) in linear, p.element_size()) for p in trainer.model.parameters()
-                      if not p.requires_grad]
+            frozen = _frozen(trainer.model)
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
             tracker.reset_peaks()
-            for step in range(steps):
+            for step in run:
+                trainer.step_count = step
                 tracker.set_step(step)
                 trainer.step(fake_batch(inputs, batch, seq))
         r = tracker.report()
@@ -243,16 +281,130 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
 
 
+_REAL_COMPUTE_DTYPE = _lora.compute_dtype
+
+
+def _frozen(model: torch.nn.Module) -> list[tuple[int, bool, int]]:
+    """``(numel, quantized by qlora, element size)`` of each frozen parameter; what qlora quantizes: linear
+    weights used once (untied), not the output head."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    if not frozen:  # nothing frozen: no need to look for linear layers (which may import transformers)
+        return []
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out_emb = getattr(model, "get_output_embeddings", lambda: None)()
+    linear = {id(m.weight) for n, m in model.named_modules() if _lora.quantizable(n, m)
+              and uses.get(id(m.weight)) == 1 and m is not out_emb}
+    return [(p.numel(), id(p) in linear, p.element_size()) for p in frozen]
+
+
 @contextlib.contextmanager
 def _compute_dtype_of_qlora():
     """While tracing qlora's lora stand-in, give the frozen base qlora's compute dtype (lora's own choice
     differs on a CPU: bf16 against qlora's fp32), so activations are traced in the dtype the run uses."""
     real = _lora.compute_dtype
-    _lora.compute_dtype = lambda ctx, quantize: real(ctx, True)
+    _lora.compute_dtype = lambda ctx, quantize: _REAL_COMPUTE_DTYPE(ctx, True)
     try:
         yield
     finally:
         _lora.compute_dtype = real
+
+
+# ----- the fast path: each distinct trace once, deep GPTs from 1- and 2-layer traces ---------------------
+_CACHE: "OrderedDict[tuple, tuple[dict, list[str]]]" = OrderedDict()
+DEPTHS = (2, 3)  # a deeper GPT is extrapolated from traces at these depths
+CACHE_SIZE = 256  # traces kept in this process (a few KiB each)
+
+
+def _gpt_of(model_fn: Any, seq: int):
+    """The GPTConfig a model is built from (a preset or ``gpt:LxD`` name, or a builder carrying
+    ``_colabkit_config``), with the position table widened to ``seq`` as :func:`~colabkit.models.build_model`
+    does; None for other families."""
+    cfg = getattr(model_fn, "_colabkit_config", None)
+    if cfg is None and isinstance(model_fn, str) and not model_fn.startswith("hf:"):
+        try:
+            cfg = gpt_config(model_fn, dropout=0.0)  # build_model's dropout
+        except ValueError:
+            return None
+    if cfg is not None and seq > cfg.block_size:
+        cfg = replace(cfg, block_size=seq)
+    return cfg
+
+
+def gpt_builder(cfg) -> Callable[[], torch.nn.Module]:
+    """A builder of ``GPT(cfg)`` that the estimator recognises: its traces are cached and extrapolated in depth.
+
+    >>> gpt_builder(gpt_config("gpt:3x64")).__name__
+    'gpt:3x64:v256'
+    """
+    f = lambda: GPT(cfg)  # noqa: E731
+    f.__name__ = f"gpt:{cfg.n_layer}x{cfg.n_embd}:v{cfg.vocab_size}"
+    f._colabkit_config = cfg
+    return f
+
+
+def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0]) -> dict[str, Any]:
+    """A trace at depth ``cfg.n_layer`` from traces at depths ``depth`` and ``depth + 1``: every block is the
+    same, so each phase's peak, its composition and each category's own peak in it are affine in depth, as
+    are the parameter counts and lists; the step's peak is the largest phase's (it may sit in backward at a
+    small depth and move to the optimizer step at depth 48). Not from depth 1: there the embedding and head
+    can hold a phase's peak at another moment than at depth 2 and beyond (fused-step at small sizes)."""
+    L = cfg.n_layer
+    lin = lambda a, b: int(a + (b - a) * (L - depth))  # noqa: E731
+    phases = {}
+    for p in t2["phase_peaks"]:
+        a, b = t1["phase_peaks"].get(p, t2["phase_peaks"][p]), t2["phase_peaks"][p]
+        phases[p] = {"peak": lin(a["peak"], b["peak"]),
+                     "at_peak": {c: lin(a["at_peak"][c], b["at_peak"][c]) for c in b["at_peak"]},
+                     "own": {c: lin(a["own"][c], b["own"][c]) for c in b["own"]}}
+    top = max(phases, key=lambda p: phases[p]["peak"])
+
+    def more(k):  # the first trace's list plus (L - depth) copies of what one more block adds
+        extra = Counter(t2[k]) - Counter(t1[k])
+        return list(t1[k]) + [x for x, n in extra.items() for _ in range(n * (L - depth))]
+
+    return {"peak_bytes": phases[top]["peak"], "at_peak": dict(phases[top]["at_peak"]), "peak_phase": top,
+            "breakdown": {c: max(v["own"][c] for v in phases.values()) for c in t2["breakdown"]},
+            "phase_peaks": phases, "params": lin(t1["params"], t2["params"]),
+            "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
+            "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
+            "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,
+            "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None}
+
+
+def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int, profile: dict | None,
+            notes: list[str], inputs: dict | None = None) -> dict[str, Any]:
+    """:func:`trace`, each distinct one once per process (a copy from the cache after that), and a GPT deeper
+    than :data:`DEPTHS` from traces at those depths (:func:`_affine`); :func:`full_trace` turns both off.
+    The key holds everything a trace depends on: the model (name or config), plan, batch, sequence, steps,
+    allocator rounding, the GPU profile (attention kernel), T4 rules, and qlora's compute-dtype stand-in.
+    A described batch (``inputs``, a user's own model) is traced as it is, uncached."""
+    cfg = _gpt_of(model_fn, seq)
+    model_key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else None
+    if _FULL[0] or model_key is None or inputs is not None:
+        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
+    key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
+           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE)
+    hit = _CACHE.get(key)
+    if hit is None:
+        extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
+                       and "offload:params" not in plan and "offload:activations" not in plan)
+        own: list[str] = []
+        if extrapolate:
+            t1, t2 = (_traced(gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq, steps, alloc_round, profile,
+                              own if d == DEPTHS[1] else []) for d in DEPTHS)
+            t = _affine(t1, t2, cfg, DEPTHS[0])
+            own.append(f"trace: {cfg.n_layer} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces "
+                       "(each phase's peak is affine in depth)")
+        else:
+            t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
+        hit = _CACHE[key] = (t, own)
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    notes.extend(hit[1])
+    return copy.deepcopy(hit[0])
 
 
 def _shift(t: dict[str, Any], category: str, delta: int) -> None:
@@ -271,9 +423,24 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
                            notes: list[str], profile: dict | None = None, inputs: dict | None = None) -> dict[str, Any]:
     """Trace the plan; if its optimizer cannot run on fake tensors, trace with a stateless SGD in its
     place and add the optimizer's state from its formula (``state_bytes_per_param``); qlora is traced as
-    lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU)."""
+    lora with the base's bytes swapped for the dtypes the real run uses (on ``profile``'s GPU or the CPU).
+    The substitutes are taken at once for what is known not to run on fake tensors (qlora's base,
+    :data:`NO_FAKE_OPTIMIZERS`), after the same checks: no trace runs only to fail (whose half-done step
+    also left a few KiB of noise in the next trace), and bitsandbytes is not imported for an optimizer."""
+    known = None
+    if "qlora" in plan or plan.optimizer in NO_FAKE_OPTIMIZERS:
+        ctx = Context(device=torch.device("cpu"), env=_env_report())
+        if "qlora" in plan:
+            plan.check(ctx)
+        else:
+            tech = REGISTRY[plan.optimizer]
+            if tech.check is not None:
+                tech.check(plan, ctx)
+        known = RuntimeError("bitsandbytes kernels read tensor data")
     try:
-        return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
+        if known is not None:
+            raise known
+        return _traced(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     except PlanError:
         raise
     except Exception as err:  # noqa: BLE001  (a kernel that reads data pointers, e.g. through ctypes)
@@ -301,7 +468,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         stand_in = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
                                for t in plan.tokens] if opt != "adamw" or "adamw" in plan.tokens
                               else list(plan.tokens) + ["sgd"])
-        t = trace(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes, inputs)
+        t = _traced(model_fn, stand_in, batch, seq, steps, alloc_round, profile, notes, inputs)
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
         _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "
