@@ -18,6 +18,7 @@ from ..models import GPT, GPT2_VOCAB, GPTConfig, gpt_config
 from ..oom import register_suggester
 from ..plan import REGISTRY, Context, Plan, PlanError
 from .predict import estimate, rejudge
+from .scale import extrapolate
 from .trace import _as_t4, check_as_gpu
 
 GiB = 1024**3
@@ -169,25 +170,9 @@ def _fast_estimate(cfg: GPTConfig, plan: str, batch: int, seq: int, gpu: str | N
         return estimate(f, plan, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes)
     r1, r2 = fn(1), fn(2)
     L = cfg.n_layer
-    lin = lambda a, b: int(a + (b - a) * (L - 1))  # noqa: E731
-    out = dict(r2)
-    # Each phase's peak is affine in depth on its own; the step's peak is the largest of them at depth L
-    # (at depth 1 the peak may sit in backward and move to the optimizer step at depth 48).
-    phases = {}
-    for p in set(r1["phase_peaks"]) & set(r2["phase_peaks"]):
-        a, b = r1["phase_peaks"][p], r2["phase_peaks"][p]
-        phases[p] = {"peak": lin(a["peak"], b["peak"]),
-                     "at_peak": {c: lin(a["at_peak"][c], b["at_peak"][c]) for c in CATEGORIES},
-                     "own": {c: lin(a["own"][c], b["own"][c]) for c in CATEGORIES}}
-    top = max(phases, key=lambda p: phases[p]["peak"])
-    out["phase_peaks"], out["peak_phase"] = phases, top
-    out["peak_bytes"], out["at_peak"] = phases[top]["peak"], phases[top]["at_peak"]
-    out["breakdown"] = {c: max(v["own"][c] for v in phases.values()) for c in CATEGORIES}
-    out["host_bytes"] = lin(r1["host_bytes"], r2["host_bytes"])
-    out["params"], out["trainable_params"] = cfg.n_params, lin(r1["trainable_params"], r2["trainable_params"])
-    if "overheads" in r2:  # GPU terms (issue 12) are affine in depth too: extrapolated like the peak
-        out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
-    out.update(rejudge(out, lin(r1["resources"]["device"]["uncertainty"], r2["resources"]["device"]["uncertainty"])))
+    out = extrapolate(r1, r2, L)
+    out["params"] = cfg.n_params
+    out.update(rejudge(out, out["resources"]["device"]["uncertainty"]))
     out["model"] = f"gpt:{L}x{cfg.n_embd}:v{cfg.vocab_size}"
     return out
 

@@ -26,7 +26,9 @@ from ..plan import REGISTRY, Context, Plan
 from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_bytes
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
-from .zero import for_rank, zero_per_rank
+from .zero import for_rank, shard_trace
+from .scale import by_depth, hub_depth
+from .speed import count_flops, speed_of
 from .trace import CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, check_as_gpu, trace_with_substitutes
 
 
@@ -50,6 +52,12 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     True
     """
     profile = _profile(gpu, device)
+    if (depth := hub_depth(model_fn)) is not None:  # 80 blocks of a 70B model: two shallow traces, extrapolated
+        r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
+                     budget_bytes=budget_bytes, calibration=calibration, world_size=world_size)
+        r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
+        r.update(speed_of(r, r["flops"], profile, calibration))  # the step's FLOPs are affine in depth too
+        return r
     plan = Plan.parse(plan)
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
@@ -64,6 +72,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                    CUDA_ALLOC_ROUND if profile else 1, notes, profile)
+        flops = count_flops(model_fn, traced_plan, batch, seq, t["trainable_params"], notes)
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
@@ -120,6 +129,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         resources["disk"] = {"need": int(disk_bytes), "budget": int(free or 0),
                              "uncertainty": 0}
     out.update(verdict(resources))
+    out.update(speed_of(out, flops, profile, calibration))
     if isinstance(model_fn, str) and (note := preset_vs_hub(model_fn)):
         notes.append(note)
     if cfg is not None and hasattr(cfg, "n_layer"):
@@ -166,16 +176,8 @@ def preset_vs_hub(name: str) -> str | None:
 
 
 def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
-    """Apply :func:`.zero.zero_per_rank` to every breakdown of a trace (own peaks, the peak's composition,
-    each phase), so the rest of :func:`estimate` sees one rank."""
-    if not stage or world_size < 2:
-        return
-    for d in [t] + list(t["phase_peaks"].values()):
-        for k in ("breakdown", "own"):
-            if k in d:
-                d[k] = zero_per_rank(d[k], stage, world_size)
-        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
-        d["peak_bytes" if d is t else "peak"] = sum(d["at_peak"].values())
+    """One rank of a sharded run (:func:`.zero.shard_trace`), so the rest of :func:`estimate` sees one rank."""
+    shard_trace(t, stage, world_size)
 
 
 def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:

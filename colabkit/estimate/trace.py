@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes
-from ..models import build_model, count_params, hf_from_config
+from ..models import blocks_of, build_model, count_params, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
@@ -184,6 +184,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             frozen = [(p.numel(), id(p) in linear, p.element_size()) for p in trainer.model.parameters()
                       if not p.requires_grad]
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
+            try:  # each block's parameter bytes: FSDP2's all-gather units (estimate.zero)
+                block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(trainer.model)]
+            except ValueError:
+                block_bytes = []
             tracker.reset_peaks()
             for step in range(steps):
                 x = torch.randint(0, 256, (batch, seq))  # (B, S) ids; values never matter here
@@ -193,7 +197,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
-            "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+            "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
+            "block_bytes": block_bytes}
 
 
 @contextlib.contextmanager
