@@ -56,7 +56,6 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
                      budget_bytes=budget_bytes, calibration=calibration, world_size=world_size)
         r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
-        r.update(speed_of(r, r["flops"], profile, calibration))  # the step's FLOPs are affine in depth too
         return r
     plan = Plan.parse(plan)
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share

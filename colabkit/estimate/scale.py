@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+from ..env import GPU_PROFILES
 from ..memory import CATEGORIES
 from ..models import count_params, hub_config
+from .speed import speed_of
 
 # hf:<id> configs deeper than this are estimated by depth extrapolation (a full fake trace of 80 blocks
 # takes a minute on a 2-core machine; two shallow ones take seconds)
@@ -51,6 +53,8 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], depth: int) -> dict[str,
             out[k] = lin(r1[k], r2[k])
     if "overheads" in r2:  # GPU terms (issue 12) are affine in depth too
         out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
+    if "flops" in out:  # the step time of the deep model, from its extrapolated FLOPs
+        out.update(speed_of(out, out["flops"], GPU_PROFILES.get(out["device"])))
     out["resources"] = {k: dict(v, need=lin(r1["resources"][k]["need"], v["need"]),
                                 uncertainty=lin(r1["resources"][k]["uncertainty"], v["uncertainty"]))
                         for k, v in r2["resources"].items()}
