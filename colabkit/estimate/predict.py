@@ -71,7 +71,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                    CUDA_ALLOC_ROUND if profile else 1, notes, profile)
-        flops = count_flops(model_fn, traced_plan, batch, seq, t["trainable_params"], notes)
+        counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes)  # plan: offload is bytes moved
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
@@ -128,7 +128,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
         resources["disk"] = {"need": int(disk_bytes), "budget": int(free or 0),
                              "uncertainty": 0}
     out.update(verdict(resources))
-    out.update(speed_of(out, flops, profile, calibration))
+    out.update(speed_of(out, counts, profile, calibration))
     if isinstance(model_fn, str) and (note := preset_vs_hub(model_fn)):
         notes.append(note)
     if cfg is not None and hasattr(cfg, "n_layer"):

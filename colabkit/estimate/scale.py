@@ -18,7 +18,7 @@ from typing import Any, Callable
 from ..env import GPU_PROFILES
 from ..memory import CATEGORIES
 from ..models import count_params, hub_config
-from .speed import speed_of
+from .speed import COUNT_KEYS, speed_of
 
 # hf:<id> configs deeper than this are estimated by depth extrapolation (a full fake trace of 80 blocks
 # takes a minute on a 2-core machine; two shallow ones take seconds)
@@ -48,13 +48,13 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], depth: int) -> dict[str,
     out["phase_peaks"], out["peak_phase"] = phases, top
     out["peak_bytes"], out["at_peak"] = phases[top]["peak"], phases[top]["at_peak"]
     out["breakdown"] = {c: max(v["own"][c] for v in phases.values()) for c in CATEGORIES}
-    for k in ("host_bytes", "disk_bytes", "params", "trainable_params", "build_bytes", "flops"):
+    for k in ("host_bytes", "disk_bytes", "params", "trainable_params", "build_bytes") + COUNT_KEYS:
         if k in r2:
             out[k] = lin(r1[k], r2[k])
     if "overheads" in r2:  # GPU terms (issue 12) are affine in depth too
         out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
     if "flops" in out:  # the step time of the deep model, from its extrapolated FLOPs
-        out.update(speed_of(out, out["flops"], GPU_PROFILES.get(out["device"])))
+        out.update(speed_of(out, {k: out[k] for k in COUNT_KEYS}, GPU_PROFILES.get(out["device"])))
     out["resources"] = {k: dict(v, need=lin(r1["resources"][k]["need"], v["need"]),
                                 uncertainty=lin(r1["resources"][k]["uncertainty"], v["uncertainty"]))
                         for k, v in r2["resources"].items()}
