@@ -205,7 +205,7 @@ def _build_bytes(model_fn: Any, plan: Plan, params: int) -> int:
     and ``lora``/``qlora`` on GPT presets, ``gpt:``/``llama:`` shapes are built on the meta device and
     materialised layer by layer into NF4 / 16 bits (colabkit.techniques.lora), so the step's own
     parameter bytes are the build's too (0: nothing beyond the step)."""
-    name = model_fn if isinstance(model_fn, str) else ""
+    name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "")  # planner/scale: the shape's name
     if "qlora" in plan and name.startswith("hf:"):
         return 0
     if ("lora" in plan or "qlora" in plan) and not name.startswith("hf:") and name:
