@@ -65,3 +65,5 @@ from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_savin
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
 __version__ = "0.1.0"
+from .estimate.auto import choose as choose_plan  # noqa: E402  (plan="auto": the fastest plan predicted to fit)
+from .estimate.speed import predict_step_time  # noqa: E402

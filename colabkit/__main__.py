@@ -113,7 +113,7 @@ def _env_cmd(args: argparse.Namespace) -> dict:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     _run_args(p, steps=50)
-    p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint (default baseline)")
+    p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint, or auto: the fastest predicted to fit (default baseline)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write crash-safe checkpoints here (every 10 min of wall time and at the end, unless "

@@ -24,6 +24,7 @@ and 2 (reduce-scatter + all-gather, as DDP's all-reduce), 3Ψ for stage 3 (one m
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..plan import Plan, PlanError
@@ -73,16 +74,17 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
     block = max(blocks, default=0)
     root = max(0, full["params"] - sum(blocks))
     gathered = {"forward": root + block, "backward": root + 2 * block}
+    largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):
             if k in d:
                 d[k] = zero_per_rank(d[k], stage, world_size)
         d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
     for phase, d in t["phase_peaks"].items():
-        if stage == 1:  # DDP's buckets are the gradients from the start (+ the fresh one in backward)
+        if stage == 1:  # DDP's buckets are the gradients from the start (+ a fresh one in backward, at most the largest)
             fresh = d["at_peak"]["grads"] if phase == "backward" else 0
             d["at_peak"]["grads"] = max(full["grads"], d["at_peak"]["grads"]) + fresh
-            d["own"]["grads"] = max(d["own"]["grads"], d["at_peak"]["grads"])
+            d["own"]["grads"] = max(d["own"]["grads"], d["at_peak"]["grads"], full["grads"] + (largest if fresh else 0))
         if stage == 3:
             for k in ("at_peak", "own"):
                 d[k]["activations"] += gathered.get(phase, 0)
