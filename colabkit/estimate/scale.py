@@ -55,8 +55,9 @@ def extrapolate(r1: dict[str, Any], r2: dict[str, Any], depth: int) -> dict[str,
         out["overheads"] = {k: lin(r1["overheads"][k], v) for k, v in r2["overheads"].items()}
     if "flops" in out:  # the step time of the deep model, from its extrapolated FLOPs
         out.update(speed_of(out, {k: out[k] for k in COUNT_KEYS}, GPU_PROFILES.get(out["device"])))
-    out["resources"] = {k: dict(v, need=lin(r1["resources"][k]["need"], v["need"]),
-                                uncertainty=lin(r1["resources"][k]["uncertainty"], v["uncertainty"]))
+    none = {"need": 0, "uncertainty": 0}  # a resource only the deeper model uses (host RAM at depth 2)
+    out["resources"] = {k: dict(v, need=lin(r1["resources"].get(k, none)["need"], v["need"]),
+                                uncertainty=lin(r1["resources"].get(k, none)["uncertainty"], v["uncertainty"]))
                         for k, v in r2["resources"].items()}
     return out
 
