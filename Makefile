@@ -1,10 +1,11 @@
 # Two commands for a fresh machine (see README):
 #   make quickstart   set up, run the quickstart headless on whatever device is here, write report/
 #   make test         set up, run the unit tests, every notebook (nbval, smoke mode) and the browser tests
+#   make test-fast    the edit-test loop: unit tests and doctests only (no slow, notebook or browser tests)
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup quickstart test
+.PHONY: setup quickstart test test-fast
 
 # torch first: an existing torch (Colab's CUDA build) is kept; otherwise the CPU-friendly 2.13.0.
 setup:
@@ -14,5 +15,10 @@ setup:
 quickstart: setup
 	$(PYTHON) -m colabkit.quickstart --out report
 
+PYTEST = COLABKIT_SMOKE=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -rs -n 2 --dist loadfile --doctest-modules
+
 test: setup
-	COLABKIT_SMOKE=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env --durations=20 --doctest-modules colabkit tests notebooks
+	$(PYTEST) --nbval-lax --nbval-current-env --durations=20 colabkit tests notebooks
+
+test-fast:
+	$(PYTEST) -m "not slow and not browser" colabkit tests

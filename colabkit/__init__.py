@@ -64,6 +64,14 @@ from .resilience import describe_resume, kill_and_resume  # noqa: E402
 from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_saving, relative_error, scaling,  # noqa: E402
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
 
+from .selftest import report_markdown as selftest_markdown, selftest, write_report as write_selftest  # noqa: E402
+from .determinism import deterministic, seed_all  # noqa: E402
+
 __version__ = "0.1.0"
+# chunked-ce (issue 27): the LM head + cross-entropy over chunks of token rows
+from .techniques.chunked_ce import (ChunkedCrossEntropy, ChunkedLogits, auto_chunk, chunked_cross_entropy,  # noqa: E402
+                                    logits_bytes, logits_memory)
+from .collectives import collective, rank_tensor  # noqa: E402
+from .distributed import torchrun_world  # noqa: E402
 from .estimate.auto import choose as choose_plan  # noqa: E402  (plan="auto": the fastest plan predicted to fit)
 from .estimate.speed import predict_step_time  # noqa: E402

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import warnings
 from typing import Any, Callable
@@ -72,6 +73,22 @@ def _run_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--offload-sim", action="store_true",
                    help="on a CPU, simulate offload tokens (a distinct host side; host_bytes in the record)")
     p.add_argument("--world-size", type=int, default=1, help="ranks for sharded plans (zero:1|2|3): one process each")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms, cuBLAS workspace :4096:8 (set before CUDA starts) and every RNG "
+                        "seeded: same seed, same bytes (on a GPU slower; an op with no deterministic kernel is an error)")
+
+
+def _deterministic(args: argparse.Namespace) -> bool:
+    """``--deterministic``: cuBLAS's workspace setting goes into the environment now, before anything starts CUDA."""
+    if not getattr(args, "deterministic", False):
+        return False
+    if getattr(args, "world_size", 1) > 1:
+        raise ValueError("--deterministic with --world-size is not supported yet (the ranks would not inherit it): "
+                         "drop one of them")
+    from .determinism import CUBLAS_WORKSPACE
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    return True
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +102,7 @@ def _bench(args: argparse.Namespace) -> dict:
 
     check_sizes(args.batch, args.seq, args.steps)  # refused like train's, before any plan runs
     check_context(args.model, args.seq)
+    det = _deterministic(args)
     if "auto" in (args.plan or []):  # the fastest plan predicted to fit, for this machine (colabkit.estimate.auto)
         from .estimate.auto import choose
 
@@ -101,7 +119,7 @@ def _bench(args: argparse.Namespace) -> dict:
                                 seq=args.seq, steps=args.steps, device=args.device, seed=args.seed)
         return {"env": env(), "world_size": args.world_size, "results": results}
     results = [measure(args.model, p, batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, seed=args.seed,
-                       offload_sim=args.offload_sim)
+                       offload_sim=args.offload_sim, deterministic=det)
                for p in (args.plan or ["baseline"])]
     return {"env": env(), "results": results}
 
@@ -145,9 +163,12 @@ def _train(args: argparse.Namespace) -> dict:
     if args.plan and len(args.plan) > 1:
         raise ValueError(f"train takes one --plan (got {len(args.plan)}): join tokens with '+'; to compare plans use bench")
     check_sizes(args.batch, args.seq, args.steps)
+    det = _deterministic(args)
     if args.t4:
         emulate_t4()
-    if args.world_size > 1:
+    from .distributed import torchrun_world
+
+    if args.world_size > 1 or torchrun_world():  # --world-size N spawns the ranks; torchrun started them
         from .distributed import train_sharded
 
         return train_sharded(args.model, (args.plan or ["baseline"])[0], world_size=args.world_size, steps=args.steps,
@@ -158,7 +179,8 @@ def _train(args: argparse.Namespace) -> dict:
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
                 resume=args.resume, progress=sys.stderr.isatty(), keep=args.keep, on_oom=args.on_oom,
-                track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim)
+                track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim,
+                deterministic=det)
     return {k: out[k] for k in ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks",
                                 "resumed_from", "simulated")}
 
@@ -192,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import techniques  # noqa: F401  (registers plan tokens and subcommands)
     from .estimate.cli import register_cli; register_cli(subcommand)  # noqa: E702  (estimate, plan, largest)
     from .structured import register_cli as structured_cli; structured_cli(subcommand)  # noqa: E702  (structured)
+    from .selftest import register_cli as selftest_cli; selftest_cli(subcommand)  # noqa: E702  (selftest)
 
     parser = argparse.ArgumentParser(prog="colabkit", description="GPU memory for training, measured. "
                                      "Every subcommand prints a table, or JSON with --json PATH ('-' for stdout).")
@@ -218,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, ImportError, OSError) as e:  # a user mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if isinstance(result, dict) and result.get("rank", 0) != 0:
+        return 0  # a torchrun rank other than 0: rank 0 prints the run's result
     emit(result, args.json, printer)
     if isinstance(result, dict) and (result.get("ok") is False
                                      or any(not r.get("ok", True) for r in result.get("results", []))):

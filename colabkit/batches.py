@@ -193,6 +193,9 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, head: str, problem_t
     """The head's loss summed over its items (fp32): cross-entropy for class ids; for float labels MSE
     (``regression``, or one output) or BCE-with-logits (``multi_label_classification``)."""
     if labels.is_floating_point():
+        if hasattr(logits, "cross_entropy_sum"):
+            raise PlanError("chunked-ce computes a cross-entropy over class ids, and these labels are floats (regression or "
+                            "multi-label): drop chunked-ce")
         if problem_type == "regression" or (problem_type is None and logits.shape[-1] == 1):
             return F.mse_loss(logits.float().reshape(labels.shape), labels.float(), reduction="sum") \
                 if logits.numel() == labels.numel() else _mismatch(logits, labels)
@@ -203,6 +206,8 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, head: str, problem_t
         labels = _shifted(labels)
     if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
         _mismatch(logits, labels)
+    if hasattr(logits, "cross_entropy_sum"):  # logits that exist chunk by chunk inside their loss (chunked-ce)
+        return logits.cross_entropy_sum(labels)
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 

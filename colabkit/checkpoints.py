@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .determinism import restore_threads
 from .plan import PlanError
 
 __all__ = ["CheckpointError", "write_checkpoint", "read_checkpoint", "read_latest", "list_checkpoints",
@@ -365,7 +366,8 @@ def trainer_state(trainer: Any, run: dict[str, Any] | None = None, loss: float |
             "versions": {"colabkit": _version(), "torch": torch.__version__},
             "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
             "scaler": trainer.scaler.state_dict(), "scheduler": sched.state_dict() if sched is not None else None,
-            "rng": rng_state(), "data": {"step": trainer.step_count, **(run or {})}, "loss": loss}
+            "rng": rng_state(), "data": {"step": trainer.step_count, **(run or {})}, "loss": loss,
+            "threads": torch.get_num_threads()}  # CPU results depend on it: a resume runs with the same number
 
 
 def save_trainer(trainer: Any, directory: str, keep: int = 3, run: dict[str, Any] | None = None,
@@ -403,6 +405,7 @@ def load_trainer(trainer: Any, directory: str, run: dict[str, Any] | None = None
     if state.get("scheduler") is not None and getattr(trainer, "scheduler", None) is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+    restore_threads(state.get("threads"))
     trainer.step_count = state["step"]
     trainer.accum = state.get("accum", trainer.accum)  # runtime micro-batching (an OOM shrink) carries over
     trainer.checkpoint_loss = state.get("loss")  # the loss at that step (None in checkpoints before it was kept)

@@ -4,20 +4,31 @@
 starts the process group (gloo on the CPU, nccl with one GPU per rank), runs ``fn(*args)`` in each
 and returns every rank's result. It works from a notebook: the processes are *spawned*, so ``fn``
 must be importable (a colabkit function such as :func:`bench_ranks`, not one defined in a cell).
+The ranks die with the launching process (``PR_SET_PDEATHSIG`` SIGKILL plus a parent-pid watchdog):
+a killed notebook kernel or CLI leaves no rank running. Under ``torchrun`` (env:// variables set)
+:func:`train_sharded` runs this process's rank instead of spawning (:func:`run_here`); rank 0 prints.
+Every collective colabkit issues goes through :func:`colabkit.collectives.collective`, on the rank's
+compute device (NCCL takes CUDA tensors only).
 
 :func:`bench_sharded` is ``bench --world-size N``: each rank measures its 1/N of the effective batch
 under its own tracker; one record per plan carries the largest rank's breakdown and ``per_rank``.
 Checkpoints of a sharded run go through ``torch.distributed.checkpoint`` (one file per rank, resumed
-exactly) and :func:`consolidate` turns them into one ``torch.save`` file a single process loads.
+exactly: RNG states and the fp16 loss scaler included) and :func:`consolidate` turns them into one
+``torch.save`` file a single process loads.
 
 >>> RankData(rank=1, world_size=2).batch(2, 8, step=0)[0].shape  # rows 2:4 of the global batch of 4
 torch.Size([2, 8])
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 import tempfile
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +37,7 @@ import torch.multiprocessing as mp
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .collectives import collective, compute_device, install_strict, rank_tensor
 from .data import TextData
 from .plan import Plan, PlanError
 from .train import measure
@@ -58,36 +70,105 @@ def backend_for(device: str | None, world_size: int) -> str:
 
 
 def rank_device(device: str | None) -> str:
-    """This rank's device: ``cuda:<rank>`` on nccl, else ``cpu``."""
+    """This rank's device: ``cuda:<local rank>`` on nccl (the collectives' compute device), else ``cpu``."""
     if device == "cpu" or not torch.cuda.is_available():
         return "cpu"
-    return f"cuda:{dist.get_rank() if dist.is_initialized() else 0}"
+    return str(compute_device("nccl"))
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, fn: Callable, args: tuple) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Make this rank process end when its parent does (a SIGKILL of ``train --world-size 2`` must not
+    leave ranks running): on Linux the kernel sends SIGKILL at the parent's death (``prctl
+    PR_SET_PDEATHSIG``); a daemon thread watching the parent pid is the fallback everywhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="colabkit-parent-watch", daemon=True).start()
+
+
+def _share_cores(ranks_here: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))  # CPU ranks share the cores
+
+
+def _run_rank(fn: Callable, args: tuple) -> Any:
+    """``fn(*args)`` inside the started process group, then a barrier and the group's end."""
+    install_strict()  # tests: NCCL's device rule on gloo too (colabkit.collectives)
+    try:
+        result = fn(*args)
+        collective("barrier")
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, parent: int, fn: Callable,
+           args: tuple) -> None:
+    die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:  # ranks share the CPU cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    else:
+        _share_cores(world_size)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
-    try:
-        result = fn(*args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = _run_rank(fn, args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` spawned processes inside one process group; returns each
-    rank's result (rank 0 first). ``fn`` must be importable by the new processes (not notebook-defined)."""
+    rank's result (rank 0 first). ``fn`` must be importable by the new processes (not notebook-defined).
+    The ranks die with this process."""
     backend = backend_for(device, world_size)
     with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
-        mp.start_processes(_entry, args=(world_size, free_port(), backend, out, fn, args), nprocs=world_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world_size, free_port(), backend, out, os.getpid(), fn, args),
+                           nprocs=world_size, join=True, start_method="spawn")
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_world() -> int | None:
+    """The world size when this process is one rank started by ``torchrun`` (env:// rendezvous
+    variables set, no process group yet), else None.
+
+    >>> torchrun_world() is None
+    True
+    """
+    if dist.is_initialized() or not all(k in os.environ for k in TORCHRUN_VARS):
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def run_here(fn: Callable, *args: Any, device: str | None = None) -> Any:
+    """This rank's part of a ``torchrun`` launch: start the process group from the environment
+    (env://), run ``fn(*args)``, end the group; every rank returns its own result."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    backend = backend_for(device, local)  # GPUs needed on this node: one per local rank
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        _share_cores(local)
+    dist.init_process_group(backend, init_method="env://")
+    return _run_rank(fn, args)
+
+
+def _launch_or_here(fn: Callable, world_size: int, *args: Any, device: str | None = None) -> list[Any] | Any:
+    """Every rank's result from a spawn of ``world_size`` processes, or, under torchrun, this rank's."""
+    if torchrun_world() is not None:
+        return run_here(fn, *args, device=device)
+    return launch(fn, world_size, *args, device=device)
 
 
 class RankData:
@@ -119,8 +200,8 @@ def per_rank_batch(batch: int, world_size: int) -> int:
 
 def global_mean(x: float) -> float:
     """The mean of ``x`` over the ranks (all-reduce): equal token counts per rank make it the global loss."""
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t)
+    t = rank_tensor([float(x)], dtype=torch.float64)  # on cuda:<rank> under nccl (NCCL's rule)
+    collective("all_reduce", t)
     return float(t) / dist.get_world_size()
 
 
@@ -159,8 +240,8 @@ def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: i
             r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
                         device=rank_device(device), seed=seed, data=RankData())
         r["comm_bytes"] = {k: v // steps for k, v in comm.bytes.items()}  # per optimizer step
-        ok = torch.tensor([int(bool(r["ok"]))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank reaches the collective; failed ranks vote 0
+        ok = rank_tensor([int(bool(r["ok"]))])
+        collective("all_reduce", ok, reduce="min")  # every rank reaches the collective; failed ranks vote 0
         if ok.item():
             r["loss"] = global_mean(r["loss"])
         r.update(batch=batch, rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -206,7 +287,8 @@ def _zero1(trainer: Trainer) -> bool:
 
 def save_sharded(trainer: Trainer, directory: str) -> str:
     """Write a sharded run's state: model (and FSDP2 optimizer) shards through DCP into
-    ``directory/dcp`` (each rank writes its own shards), plus each rank's step, RNG and, for zero:1,
+    ``directory/dcp`` (each rank writes its own shards), plus each rank's step, CPU and CUDA RNG, the
+    GradScaler's state (fp16's loss scale) and, for zero:1,
     its ZeroRedundancyOptimizer shard in ``directory/rank<r>.pt``. Call on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -215,13 +297,16 @@ def save_sharded(trainer: Trainer, directory: str) -> str:
     if not _zero1(trainer):
         state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
     dcp.save(state, checkpoint_id=os.path.join(directory, "dcp"))
+    cuda = trainer.ctx.device.type == "cuda"
     local = {"step": trainer.step_count, "plan": str(trainer.plan), "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state(trainer.ctx.device) if cuda else None,
+             "scaler": trainer.scaler.state_dict(),  # fp16: the loss scale and its growth tracker
              "world_size": dist.get_world_size(),
              "optim": trainer.optimizer.optim.state_dict() if _zero1(trainer) else None}
     path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
     torch.save(local, path + ".tmp")
     os.replace(path + ".tmp", path)
-    dist.barrier()
+    collective("barrier")
     return directory
 
 
@@ -249,6 +334,10 @@ def load_sharded(trainer: Trainer, directory: str) -> bool:
     else:
         set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
     torch.set_rng_state(local["rng_cpu"])
+    if local.get("rng_cuda") is not None and trainer.ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(local["rng_cuda"], trainer.ctx.device)
+    if local.get("scaler"):
+        trainer.scaler.load_state_dict(local["scaler"])
     trainer.step_count = local["step"]
     return True
 
@@ -282,6 +371,7 @@ def train_ranks(model: str, plan: str, steps: int, batch: int, seq: int, seed: i
 
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"step": trainer.step_count, "loss": losses[-1] if losses else None, "losses": losses,
+            "rank": dist.get_rank(), "scale": trainer.scaler.get_scale(),
             "weights_sha256": _state_sha256(full) if dist.get_rank() == 0 else None}
 
 
@@ -295,8 +385,11 @@ def train_sharded(model: str, plan: str, world_size: int = 2, steps: int = 10, b
                   seed: int = 0, device: str | None = None, lr: float = 3e-4, checkpoint_dir: str | None = None,
                   checkpoint_every: int = 0, resume: bool = False) -> dict[str, Any]:
     """``train --world-size N``: rank 0's result (losses are global means; ``weights_sha256`` hashes the
-    consolidated full weights, so it compares with a single-process run's)."""
+    consolidated full weights, so it compares with a single-process run's). Under ``torchrun`` the
+    world size is torchrun's and every rank returns its own result (``rank`` says whose)."""
+    world_size = torchrun_world() or world_size
     _sharded_only([plan])
     per_rank_batch(batch, world_size)
-    return launch(train_ranks, world_size, model, str(Plan.parse(plan)), steps, batch, seq, seed, device, lr,
-                  checkpoint_dir, checkpoint_every, resume, device=device)[0]
+    out = _launch_or_here(train_ranks, world_size, model, str(Plan.parse(plan)), steps, batch, seq, seed, device,
+                          lr, checkpoint_dir, checkpoint_every, resume, device=device)
+    return out[0] if isinstance(out, list) else out

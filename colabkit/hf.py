@@ -28,6 +28,8 @@ adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adam
 lora:R, qlora:R               model        colabkit's LoRA (peft adapters; qlora: bitsandbytes NF4 base)
 compress:int8, attention:X    model        their forward context around ``model.forward``
 checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
+chunked-ce, chunked-ce:C      model        the LM head returns its input, and the model, given labels while
+                                           training, computes the chunked loss itself (``num_items_in_batch``)
 fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
 galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
 params/disk, zero:N
@@ -57,8 +59,10 @@ from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
+from .techniques.chunked_ce import loss_in_forward
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
+           "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -81,7 +85,7 @@ _REFUSED = {
     "zero": "transformers' Trainer shards through accelerate (TrainingArguments(fsdp=...), launched by accelerate "
             "or torchrun); colabkit's zero:N runs with colabkit.train(..., world_size=N)",
 }
-_MODEL_SIDE = ("lora", "qlora", "compress", "attention")
+_MODEL_SIDE = ("lora", "qlora", "compress", "attention", "chunked-ce")
 
 
 def _transformers():
@@ -224,6 +228,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
+    if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
+        loss_in_forward(model, plan.get("chunked-ce"))
     makers = [t.forward_context for t in plan.techniques()
               if t.forward_context is not None and t.name in names and t.name in ("compress", "attention", "offload")]
     if makers:
@@ -251,6 +257,27 @@ def check_run(args: Any, model: torch.nn.Module) -> None:
                     raise PlanError(f"plan token {tok!r} needs TrainingArguments({key}={value!r}), the Trainer has "
                                     f"{key}={getattr(args, key, None)!r}: build them with "
                                     f"colabkit.hf.training_arguments({text!r}, ...)")
+
+
+def check_one_device(model: torch.nn.Module) -> None:
+    """Warn when ``device_map`` split the model over several GPUs: the tracker measures one device (the
+    current one), so the figures would leave out the other GPUs' share. colabkit loads on one device
+    (:func:`single_device_map`); a model too big for one T4 is a case for ``zero:3``, where each rank measures
+    its own GPU.
+
+    >>> m = torch.nn.Linear(1, 1); m.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cuda:1"}
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always"); check_one_device(m)
+    >>> "split over 2 GPUs" in str(w[0].message)
+    True
+    """
+    placed = getattr(unwrap(model), "hf_device_map", None) or {}
+    gpus = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()} - {"cpu", "disk", "meta"}
+    gpus = {"cuda:0" if g == "cuda" else g for g in gpus}
+    if len(gpus) > 1:
+        warnings.warn(f"colabkit: the model is split over {len(gpus)} GPUs ({', '.join(sorted(gpus))}, device_map) but "
+                      "MemoryCallback measures one: load it on one device (device_map={'': 0}, as "
+                      "colabkit.hf.load_hf_4bit does), or shard it with zero:3", RuntimeWarning, stacklevel=3)
 
 
 class MemoryCallback:
@@ -296,6 +323,7 @@ class MemoryCallback:
         self._go_first()
         self.close()  # a tracker left on by a run that raised
         check_run(args, model)
+        check_one_device(model)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .models import register_family
+from .models import dtype_kwarg, register_family  # noqa: F401  (dtype_kwarg: re-exported)
 
 
 def _transformers():
@@ -71,22 +71,11 @@ def build_llama(name: str, seq: int | None = None, dropout: float = 0.0) -> torc
 register_family("llama:", build_llama)
 
 
-def dtype_kwarg(tf: Any = None) -> str:
-    """The ``from_pretrained`` keyword for the weights' dtype in the installed transformers: ``dtype`` from
-    4.56 on, ``torch_dtype`` before (which 4.45-4.55 need: they ignore or reject ``dtype``).
-
-    >>> dtype_kwarg(type("tf", (), {"__version__": "4.45.2"}))
-    'torch_dtype'
-    """
-    from packaging.version import Version
-
-    tf = tf or _transformers()
-    return "dtype" if Version(tf.__version__).release >= (4, 56) else "torch_dtype"
-
-
 def single_device_map() -> dict[str, int]:
     """Every module on the current CUDA device: the one :class:`colabkit.MemoryTracker` measures. (``"auto"``
-    would split a model across both T4s of a Kaggle machine while the tracker watches one.)"""
+    would split a model across both T4s of a Kaggle machine while the tracker watches one; a model that
+    fits one T4 only when split is a job for ``zero:3`` -- sharded, each rank measured on its own GPU --
+    not for a tracker that would have to add up devices it does not drive.)"""
     return {"": torch.cuda.current_device()}
 
 

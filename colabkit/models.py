@@ -290,6 +290,22 @@ def hf_from_config(model_id: str, seq: int | None = None) -> nn.Module:
     return AutoModelForCausalLM.from_config(hub_config(model_id))
 
 
+def dtype_kwarg(tf: Any = None) -> str:
+    """The ``from_pretrained`` keyword for the weights' dtype in the installed transformers: ``dtype`` from
+    4.56 on, ``torch_dtype`` before (which 4.45-4.55 need: they ignore or reject ``dtype``). Every
+    ``from_pretrained`` of colabkit passes one: without it transformers 5.x loads the checkpoint's own
+    dtype (``"auto"``: bf16 for most hub models), not the fp32 weights a plan starts from.
+
+    >>> dtype_kwarg(type("tf", (), {"__version__": "4.45.2"}))
+    'torch_dtype'
+    """
+    from packaging.version import Version
+
+    if tf is None:
+        import transformers as tf
+    return "dtype" if Version(tf.__version__).release >= (4, 56) else "torch_dtype"
+
+
 def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.Module:
     """``hf:<id>``: the pretrained model from the hub when it can be reached, else from the local cache;
     otherwise the model built from its config (shipped or cached) with random weights, saying so."""
@@ -303,7 +319,7 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
     try:
         if source is None:
             raise OSError("not in the local cache")
-        return AutoModelForCausalLM.from_pretrained(source)
+        return AutoModelForCausalLM.from_pretrained(source, **{dtype_kwarg(): torch.float32})  # fp32: the plan decides
     except (OSError, ValueError) as err:
         why = f"{why}; {err}" if why else f"{type(err).__name__}: {err}"
     cfg = hub_config(model_id)  # a HubError saying what to do when there is none
@@ -391,10 +407,10 @@ def logits_of(out: Any) -> torch.Tensor:
     >>> logits_of((torch.zeros(2, 3), None)).shape
     torch.Size([2, 3])
     """
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) or hasattr(out, "cross_entropy_sum"):  # (or chunked-ce's ChunkedLogits)
         return out
     logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
+    if isinstance(logits, torch.Tensor) or hasattr(logits, "cross_entropy_sum"):
         return logits
     if isinstance(out, (tuple, list)):
         for t in out:

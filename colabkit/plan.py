@@ -43,6 +43,12 @@ class Context:
     # Set by techniques that compute in fp16 (fp16; lora/qlora on a GPU without bf16): the Trainer's
     # GradScaler is enabled by this value, so small gradients do not underflow in fp16.
     loss_scaling: bool = False
+    # Set by a technique that computes the loss from the LM head's input itself (the token, e.g. chunked-ce):
+    # the Trainer then keeps the labels from the model (it would compute its own loss from full logits).
+    loss_from_head: str | None = None
+    # make_scaler(device_type, enabled) -> the loss scaler, when a technique needs another kind than
+    # torch.amp.GradScaler (zero:2/3 + fp16: gradients are DTensor shards, found-inf agreed across ranks)
+    make_scaler: Callable[[str, bool], Any] | None = None
 
     @property
     def cuda(self) -> bool:
@@ -91,6 +97,9 @@ class Technique:
     make_optimizer: Hook | None = None
     wrap_optimizer: Hook | None = None
     load_model: Hook | None = None
+    # places_model(plan): True when prepare_model puts the model on the device itself (FSDP2 shards it
+    # there block by block), so the Trainer does not move the whole model first
+    places_model: Callable[[Any], bool] | None = None
     order: int = 60
 
     def tokens(self) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
+from .determinism import deterministic as deterministic_mode, seed_all
 from .checkpoints import load_trainer, require_folder, save_trainer
 from .logs import make_loggers
 from .memory import MemoryTracker, fmt_bytes
@@ -246,6 +247,7 @@ def train(
     log: str | Iterable[str] | None = None,
     log_dir: str | None = None,
     offload_sim: bool = False,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
@@ -267,6 +269,11 @@ def train(
     ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side (the result says
     ``"simulated": True``).
 
+    ``seed`` seeds Python's ``random``, NumPy and torch, so two runs with one seed write byte-identical
+    checkpoints; ``deterministic=True`` adds deterministic algorithms (and cuBLAS's workspace setting), which a
+    GPU needs for bit-identical weights. On the CPU the weights also depend on the number of threads: a
+    checkpoint records it and a resume runs with it (:mod:`colabkit.determinism` says what "same weights" means).
+
     >>> out = train("gpt-tiny", steps=2, batch=2, seq=16, progress=False)
     >>> len(out["losses"]), out["step"]
     (2, 2)
@@ -283,7 +290,7 @@ def train(
         check_context(model, seq)
     dev = _device(device)
     data = data or TextData()
-    torch.manual_seed(seed)
+    seed_all(seed)
     name = model if isinstance(model, str) else None
     on_sample = live_plot.update if live_plot is not None else None
     tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track,
@@ -293,7 +300,7 @@ def train(
     minutes = checkpoint_minutes if checkpoint_minutes is not None or checkpoint_every else CHECKPOINT_MINUTES
     run = {"batch": batch, "seq": seq, "seed": seed}  # a resumed run must see the same data
     gpu = "t4" if dev.type == "cuda" else None
-    with ctx:
+    with deterministic_mode(deterministic), ctx:
         if isinstance(model, str):
             model = load_model(model, plan, seq=seq, device=dev)
         _check_model(model, seq)
@@ -396,6 +403,7 @@ def measure(
     on_sample: Callable[[dict], None] | None = None,
     timing_steps: int | None = None,
     offload_sim: bool = False,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps under the tracker and return one ``bench`` record.
 
@@ -410,7 +418,8 @@ def measure(
 
     ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side: the record has
     ``"simulated": True``; ``host_bytes`` / ``host_breakdown`` are the host side's peaks (pinned RAM
-    on a GPU) and ``breakdown`` the device side's.
+    on a GPU) and ``breakdown`` the device side's. ``deterministic=True``: deterministic algorithms for
+    the whole measurement (:func:`colabkit.determinism.deterministic`); ``seed`` seeds every RNG either way.
     """
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     record: dict[str, Any] = {"plan": str(plan), "model": name, "params": None, "trainable_params": None,
@@ -429,10 +438,12 @@ def measure(
     record["device"] = str(dev)
     data = data or TextData()
     tracker = MemoryTracker(device=dev, on_sample=on_sample)
+    det = deterministic_mode(deterministic)
+    det.__enter__()
     try:
         plan = Plan.parse(plan)
         record["plan"] = str(plan)
-        torch.manual_seed(seed)
+        seed_all(seed)
         with tracker:
             model = load_model(model_fn, plan, seq=seq, device=dev) if isinstance(model_fn, str) else model_fn()
             trainer = Trainer(model, plan, device=dev, lr=lr, model_name=name, tracker=tracker, offload_sim=offload_sim)
@@ -475,6 +486,7 @@ def measure(
         if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e):
             record["error"] = f"out of memory: {e}".splitlines()[0]
     finally:
+        det.__exit__(None, None, None)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return record

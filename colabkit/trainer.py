@@ -91,12 +91,17 @@ class Trainer:
         for t in techs:  # order < 50: before the move to the device (e.g. quantize, stream params)
             if t.prepare_model is not None and t.order < 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
-        if not getattr(model, "_colabkit_placed", False):
+        places = any(t.places_model is not None and t.places_model(self.plan) for t in techs)
+        if not places and not getattr(model, "_colabkit_placed", False):  # zero:2/3 shard before placing
             model = model.to(self.ctx.device)
         for t in techs:
             if t.prepare_model is not None and t.order >= 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
         self.model = self.ctx.model = model
+        if loss_fn is not None and self.ctx.loss_from_head:
+            raise PlanError(f"{self.ctx.loss_from_head} computes the cross-entropy of the labels itself, from the LM head's "
+                            "input (the model returns no logits): drop loss_fn=, or drop "
+                            f"{self.ctx.loss_from_head} to compute your own loss")
         opt_tech = REGISTRY[self.plan.optimizer]
         self.optimizer = opt_tech.make_optimizer(param_groups(model, weight_decay), self.plan, self.ctx)
         for t in techs:
@@ -104,7 +109,7 @@ class Trainer:
                 self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
         self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
         # fp16 compute needs loss scaling (techniques set ctx.loss_scaling); otherwise a no-op (scale 1.0).
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled=self.ctx.loss_scaling)
+        self.scaler = (self.ctx.make_scaler or torch.amp.GradScaler)(self.ctx.device.type, enabled=self.ctx.loss_scaling)
         self.accum = self.plan.get("accum", 1)
         self.tracker = tracker
         self.step_count = 0
@@ -127,7 +132,7 @@ class Trainer:
         return micro_loss(self.model(x), b, head_of(self.model, b, self.task), n_tokens, 0, 1, self.loss_fn)
 
     def _batch(self, batch: Any, y: torch.Tensor | None) -> tuple[Batch, str]:
-        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None).to(self.ctx.device)
+        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None and not self.ctx.loss_from_head).to(self.ctx.device)
         return b, head_of(self.model, b, self.task)
 
     def _micro(self, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int) -> torch.Tensor:

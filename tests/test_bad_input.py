@@ -232,3 +232,14 @@ def test_checkpoint_from_another_plan(tmp_path):
 def test_bad_on_oom():
     with pytest.raises(ValueError, match=r"on_oom='retry': use 'shrink'"):
         _train(on_oom="retry")
+
+
+def test_chunked_ce_where_it_cannot_apply():
+    with pytest.raises(PlanError, match=r"chunked-ce computes a language model head's cross-entropy, and Sequential "
+                                        r"has no LM head .*: drop chunked-ce"):
+        _train(torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256)), plan="chunked-ce")
+    with pytest.raises(PlanError, match=r"chunked-ce computes the cross-entropy of the labels itself, .*: drop loss_fn="):
+        from colabkit.trainer import Trainer
+        Trainer(build_model("gpt-tiny"), "chunked-ce", device="cpu", loss_fn=lambda out, labels, n: out.sum())
+    with pytest.raises(PlanError, match=r"chunked-ce and zero:3 conflict: .* use zero:2 or zero:1 with chunked-ce"):
+        _train(plan="zero:3+chunked-ce")

@@ -135,7 +135,8 @@ def check_host_optimizer_accumulation():
 
 
 def check_host_optimizer_grad_scaler():
-    # the GradScaler unscales and inf-checks the host gradient buffers (HostOptimizer.param_groups)
+    # the GradScaler unscales and inf-checks the host gradient buffers (HostOptimizer.param_groups), the
+    # accumulated gradient added
     torch.manual_seed(0)
     a = build_model("gpt:2x32", seq=16)
     b = copy.deepcopy(a)
@@ -144,8 +145,10 @@ def check_host_optimizer_grad_scaler():
     for m, opt in zip((a, b), opts):
         sc = torch.amp.GradScaler("cpu", init_scale=1024.0)
         for i in range(2):
-            x, y = TextData().batch(4, 16, step=i)
-            sc.scale(torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())).backward()
+            parts = [slice(0, 4)] if i == 0 else [slice(0, 2), slice(2, 4)]  # step 2: a gradient accumulated
+            for part in parts:
+                x, y = (t[part] for t in TextData().batch(4, 16, step=i))
+                sc.scale(torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()) / len(parts)).backward()
             sc.step(opt)
             sc.update()
             opt.zero_grad()
@@ -154,6 +157,11 @@ def check_host_optimizer_grad_scaler():
 
 def check_streamed_params():
     return _same(_trained("offload:params"), _reference("baseline"))
+
+
+def check_streamed_params_accumulation():
+    # micro-batch 2's block gradients are added to micro-batch 1's on the host, each once it has landed
+    return _same(_trained("offload:params+accum:2"), _reference("accum:2"))
 
 
 def check_streamed_tied_blocks():
@@ -186,7 +194,8 @@ def check_disk_staged(tmp="."):
 
 
 CHECKS = [check_host_optimizer, check_host_optimizer_accumulation, check_host_optimizer_grad_scaler,
-          check_streamed_params, check_streamed_tied_blocks, check_activations, check_disk_staged]
+          check_streamed_params, check_streamed_params_accumulation, check_streamed_tied_blocks, check_activations,
+          check_disk_staged]
 
 # Every ordering statement, deleted alone: (module, function, the statement). The first six are the
 # CUDA calls themselves (DevicePair runs them against torch.cuda or the twin); the rest are the
@@ -200,11 +209,14 @@ MUTANTS = [
     (off, "DevicePair.wait_host", "event.synchronize()"),                             # host waits for an event
     (off, "DevicePair.to_host_async", "self.lend(t)"),                   # streamed gradients: record_stream
     (off, "HostOptimizer._grad_to_host", "self.pair.lend(p.grad)"),      # gradient copy: record_stream
-    (off, "HostOptimizer._grad_to_host", "self.pair.sync()"),            # accumulation: wait before the add
+    (off, "HostOptimizer._land_adds", "self.pair.sync()"),               # accumulation: wait before the add
     (off, "HostOptimizer.step", "self.pair.sync()"),                     # the step waits for the copies
+    (off, "HostOptimizer.step", "self._land_adds()"),                    # ... and adds the accumulated ones
     (off, "HostOptimizer.param_groups", "self.pair.sync()"),             # the GradScaler reads landed grads
+    (off, "HostOptimizer.param_groups", "self._land_adds()"),            # ... with the accumulated ones added
     (off, "BlockStreamer.get", "self.pair.use(ev)"),                     # prefetched weights: wait
-    (off, "BlockStreamer.grads_to_host", "self.pair.sync()"),            # a 2nd gradient in one backward
+    (off, "BlockStreamer._land_adds", "self.pair.sync()"),               # a 2nd gradient: wait before the add
+    (off, "BlockStreamer._end_of_backward", "self._land_adds()"),        # ... added when backward ends
     (off, "BlockStreamer._end_of_backward", "self.pair.sync()"),         # streamed grads done with backward
     (off, "activation_offload", "pair.lend(t)"),                         # saved activation: record_stream
     (off, "activation_offload", "pair.use(saved.event)"),                # copy back waits for the copy out

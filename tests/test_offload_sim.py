@@ -404,6 +404,22 @@ def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
         assert s["syncs"] == 2  # streamed gradients: one wait per backward, when it ends
 
 
+@pytest.mark.parametrize("plan", ["offload:params+accum:2", "offload:optimizer+accum:2"])
+def test_accumulated_gradients_go_to_the_host_asynchronously(plan, monkeypatch):
+    # micro-batch 2's gradients: copied on the side stream like the first ones (before: a blocking copy each),
+    # added on the host once landed, with at most one parameter's (block's) copies in flight
+    torch.manual_seed(0)
+    ref = Trainer(build_model("gpt:2x64", seq=32), "accum:2", device="cpu")
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x64", seq=32), plan, device="cpu", offload_sim=True)
+    _no_blocking_copies(monkeypatch)
+    for i in range(2):
+        x, y = TextData().batch(4, 32, step=i)
+        assert t.step(x, y) == pytest.approx(ref.step(x, y), rel=1e-6)
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(ref.model.parameters(), t.model.parameters()))
+    assert "poisoned" not in off.pair_of(t.model, "cpu").stats()
+
+
 def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
     torch.manual_seed(0)
     t = Trainer(build_model("gpt:2x64", seq=32), "offload:activations", device="cpu", offload_sim=True)

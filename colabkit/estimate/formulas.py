@@ -8,6 +8,7 @@ from typing import Any
 from ..memory import fmt_bytes
 from ..models import gpt_config  # noqa: F401  (doctest)
 from ..plan import REGISTRY, Plan
+from ..techniques.chunked_ce import auto_chunk, logits_bytes
 from ..techniques.offload import pinned_bytes  # the host-RAM guard's rounding: one rule for both
 from ..techniques.optimizers import state_bytes_per_param
 
@@ -46,6 +47,8 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
     else:
         acts = L * per_layer
     logits = b * s * V * (2 + 4 + 4 if half else 4 + 4)  # logits, fp32 copy for the loss, its grad
+    if "chunked-ce" in plan:  # one chunk's logits at a time, one log-sum-exp per row
+        logits = logits_bytes(b * s, V, plan.get("chunked-ce") or auto_chunk(b * s, V, h), half)
     weights = 4 * n + (2 * n if half else 0)  # fp32 master (+ autocast's fp16 copies)
     grads = 4 * trainable
     state = opt * trainable
@@ -65,30 +68,56 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
 
 
 def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trainable_shapes: list, L: int,
-                notes: list[str]) -> tuple[dict, dict, int]:
-    """Move offloaded categories to host RAM: what the GPU keeps is one staging tensor (optimizer),
-    two blocks of weights (params: current + prefetch), one block of saved activations. Pinned host
-    tensors (master weights, gradient buffers, streamed weights) count with CUDA's power-of-two rounding."""
+                notes: list[str], block_shapes: list | None = None, phase: str | None = None) -> tuple[dict, dict, int]:
+    """Move offloaded categories to host RAM (``phase``: the phase these figures are of; None: the whole step).
+
+    * ``optimizer``: the state and the step's temporaries (the update runs on the host) leave; each gradient
+      leaves as soon as it is complete (about one tensor at a time); the host holds a pinned fp32 master and
+      gradient buffer per tensor.
+    * ``params``: the transformer blocks' weights (``block_shapes``), their gradients (streamed to pinned host
+      buffers in backward) and their optimizer state (updated in place on the host) leave; the GPU keeps
+      everything else, plus in forward/backward two blocks' weights (current + prefetch) and one block's
+      gradients in flight. Without ``block_shapes``: all trainable weights counted as blocks.
+    * ``activations``: one block of saved activations stays.
+
+    Pinned host tensors count with CUDA's power-of-two rounding."""
     br, at, host = dict(br), dict(at), 0
     biggest = 4 * max((math.prod(s) for s in trainable_shapes), default=0)
     n_train = sum(math.prod(s) for s in trainable_shapes)
     pinned = sum(pinned_bytes(4 * math.prod(s)) for s in trainable_shapes)  # one pinned fp32 copy of each
+    blocks = trainable_shapes if block_shapes is None else block_shapes
+    n_block = sum(math.prod(s) for s in blocks)
+    share = n_block / n_train if n_train else 0.0  # the blocks' part of each per-parameter category
     for what in sorted(offload):
-        cat = {"optimizer": "optimizer", "params": "params", "activations": "activations"}[what]
-        keep = {"optimizer": 0, "params": br["params"] * min(1.0, 2 / max(L, 1)),
-                "activations": br["activations"] / max(L, 1)}[what]
-        moved = br[cat] - int(keep)
-        if what == "params" and n_train:  # each streamed weight is a pinned host tensor
-            moved_host = int(moved * pinned / (4 * n_train))
-        else:
-            moved_host = moved
-        host += moved_host
-        at[cat] = max(0, at[cat] - moved)
-        br[cat] = int(keep)
         extra = ""
+        if what == "params":
+            in_flight = 0 if phase == "optimizer" else 1
+            keep_w = 1 - share + share * in_flight * min(1.0, 2 / max(L, 1))
+            keep_g = 1 - share + share * in_flight / max(L, 1)
+            moved = state = 0
+            for cat, frac in (("params", keep_w), ("grads", keep_g), ("optimizer", 1 - share)):
+                m = br[cat] - int(br[cat] * frac)
+                moved += m
+                state = m if cat == "optimizer" else state
+                at[cat] = max(0, at[cat] - m)
+                br[cat] = int(br[cat] * frac)
+            # on the host: pinned block weights and gradient buffers, and the blocks' (pageable) optimizer state
+            moved_host = 2 * sum(pinned_bytes(4 * math.prod(s)) for s in blocks) + state
+            host += moved_host
+            keep = br["params"]
+        else:
+            cat = what
+            keep = 0 if what == "optimizer" else br["activations"] / max(L, 1)
+            moved = br[cat] - int(keep)
+            host += moved
+            moved_host = moved
+            at[cat] = max(0, at[cat] - moved)
+            br[cat] = int(keep)
         if what == "optimizer":  # HostOptimizer: pinned fp32 master + gradient buffer per tensor; each gradient
             host += 2 * pinned   # leaves the GPU as soon as it is complete (about one tensor at a time)
             at["grads"], br["grads"] = min(at["grads"], biggest), min(br["grads"], biggest)
+            if phase == "optimizer":  # the update and its temporaries run on the host
+                at["grads"] = at["other"] = 0
             extra = (f"; host also holds pinned fp32 master weights and gradient buffers ({fmt_bytes(2 * pinned)}, "
                      f"{fmt_bytes(8 * n_train)} before CUDA's power-of-two pinned rounding)")
         notes.append(f"offload:{what}: {fmt_bytes(moved)} moved to host RAM as {fmt_bytes(moved_host)} "

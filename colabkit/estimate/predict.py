@@ -76,10 +76,11 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
-    phases = {p: _host_split(v["own"], v["at_peak"], offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), [])
+    phases = {p: _host_split(v["own"], v["at_peak"], offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), [],
+                             t.get("block_shapes"), phase=p)
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
-                               getattr(cfg, "n_layer", 1), notes)
+                               getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"))
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])

@@ -65,7 +65,8 @@ def _as_t4(profile: dict | None):
 
 def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset]:
     """On a GPU profile, the plan traced on the CPU: offload tokens removed (applied analytically),
-    ``paged-`` optimizers traced unpaged (same state; paging acts only under pressure), and an
+    ``paged-`` optimizers traced unpaged (same state; paging acts only under pressure), ``offload:params``
+    traced with ``checkpoint`` (it recomputes every block in backward from the block's input), and an
     attention backend token removed (the CPU's fused SDPA kernel, like T4's efficient one, keeps no S x S)."""
     offload = frozenset(plan.get(_OFFLOAD) or ())
     if profile is None:
@@ -75,6 +76,8 @@ def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset
         if tok.startswith("offload:") or tok in ("attention:efficient", "attention:flash"):
             continue
         keep.append(tok[len("paged-"):] if tok.startswith("paged-") else tok)
+    if "params" in offload:  # a streamed block is recomputed in backward: its activations are checkpoint's
+        keep.append("checkpoint")
     return Plan.parse(keep or "baseline"), offload
 
 
@@ -175,6 +178,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             params = count_params(trainer.model)
             trainable = count_params(trainer.model, trainable_only=True)
             shapes = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
+            try:  # what offload:params streams: the transformer blocks' trainable weights
+                block_shapes = [tuple(p.shape) for p in blocks_of(trainer.model).parameters() if p.requires_grad]
+            except (ValueError, AttributeError, TypeError):
+                block_shapes = None
             uses: dict[int, int] = {}
             for _, p in trainer.model.named_parameters(remove_duplicate=False):
                 uses[id(p)] = uses.get(id(p), 0) + 1
@@ -197,7 +204,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
-            "trainable_shapes": shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
+            "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
             "block_bytes": block_bytes}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import collective, install_strict, to_compute
 from .matrix import SemiseparableMatrix, relative_error, tridiag_matmul
 
 
@@ -43,13 +44,12 @@ class ShardedSemiseparable:
         all-reduce (each rank then uses only its own slice of Vᵀx): a negative control, never correct."""
         X = x.reshape(self.n, -1)
         z = self.V.to(X.dtype).T @ X[self.start:self.stop]  # (r, k) partial sum of Vᵀx
-        if reduce:
-            dist.all_reduce(z, group=self.group)
+        if reduce:  # colabkit's one collective helper: on the rank's compute device (NCCL's rule)
+            z = collective("all_reduce", to_compute(z), group=self.group)
         local = self.U.to(X.dtype) @ z  # (rows, k)
-        padded = torch.zeros(self.chunk, X.shape[1], dtype=X.dtype, device=X.device)
+        padded = to_compute(torch.zeros(self.chunk, X.shape[1], dtype=X.dtype, device=X.device))
         padded[:len(local)] = local
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded, group=self.group)
+        parts = collective("all_gather", padded, group=self.group)
         bounds = [self.n * p // self.world for p in range(self.world + 1)]
         low = torch.cat([part[:b - a] for part, a, b in zip(parts, bounds, bounds[1:])])
         return (tridiag_matmul(*(t.to(X.dtype) for t in self.tri), X) + low).reshape(x.shape)
@@ -70,6 +70,7 @@ def _free_port() -> int:
 def _shard_worker(rank: int, world: int, port: int, n: int, r: int, k: int, queue: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    install_strict()  # tests: NCCL's device rule (colabkit.collectives)
     try:
         S = SemiseparableMatrix.random(n, r, seed=0)  # the same matrix on every rank (same seed) ...
         shard = ShardedSemiseparable(S, rank, world)

@@ -609,6 +609,7 @@ class HostOptimizer(WrappedOptimizer):
         self.pair = pair or DevicePair(params[0].device if params else "cpu")
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device param, host master)
         self._fresh: dict[int, bool] = {}
+        self._adds: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host gradient buffer, accumulated copy in flight)
         host_groups = []
         for g in param_groups:
             hs = []
@@ -634,13 +635,22 @@ class HostOptimizer(WrappedOptimizer):
                 self.pair.copy_(h.grad, p.grad)
             self.pair.lend(p.grad)
             self._fresh[id(p)] = False
-        else:  # accumulation: a second gradient before the step is added on the host
-            self.pair.sync()
-            h.grad.add_(self.pair.to_host(p.grad))
+        else:  # accumulation: a second gradient goes out on the side stream too, added on the host once landed
+            self._land_adds()  # the previous one (at most one accumulated gradient in flight: host RAM)
+            self._adds.extend(zip([h.grad], self.pair.to_host_async([p.grad])))
         p.grad = None
+
+    def _land_adds(self) -> None:
+        """Add the accumulated gradients in flight to their host buffers, once the side stream has run them."""
+        if self._adds:
+            self.pair.sync()
+            for buf, g in self._adds:
+                buf.add_(g)
+            self._adds.clear()
 
     def step(self, closure=None):
         self.pair.sync()
+        self._land_adds()
         with host_side():  # the update (and any state it creates) runs on the host
             loss = self.optimizer.step(closure)
         self._copy_back()
@@ -666,6 +676,7 @@ class HostOptimizer(WrappedOptimizer):
         # The GradScaler unscales and inf-checks the gradients it finds here — the host copies —
         # so the copies still in flight on the side stream must land first.
         self.pair.sync()
+        self._land_adds()
         return self.optimizer.param_groups
 
     def state_dict(self) -> dict:
@@ -804,7 +815,7 @@ class BlockStreamer:
         self.blocks, self.pair, self.prefetch = blocks, pair, prefetch
         self._pending: dict[int, tuple[dict[str, torch.Tensor], Any]] = {}
         self.copies = 0
-
+        self._adds: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, accumulated gradient in flight)
         self._sync_queued = False
 
     def _start(self, i: int) -> None:
@@ -830,23 +841,32 @@ class BlockStreamer:
 
     def grads_to_host(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Block gradients go to pinned host buffers on the side stream (overlapping the rest of
-        backward); a second gradient before the step (``accum:K``) is added on the host. The copies are
-        waited for once, when backward ends, so ``p.grad`` is complete when ``backward()`` returns."""
-        fresh = [p.grad is None for p in params]
-        hosts = iter(self.pair.to_host_async(g for g, f in zip(grads, fresh) if f))
-        for p, g, f in zip(params, grads, fresh):
-            if f:
-                p.grad = next(hosts)
+        backward); a second gradient before the step (``accum:K``, a block called twice) goes out the same
+        way and is added on the host once it landed: at the next block (one block's copies in flight at a
+        time) or when backward ends. The copies are waited for once, when backward ends, so ``p.grad`` is
+        complete when ``backward()`` returns."""
+        self._land_adds()
+        for p, h in zip(params, self.pair.to_host_async(grads)):
+            if p.grad is None:
+                p.grad = h
             else:
-                self.pair.sync()
-                p.grad.add_(self.pair.to_host(g))
+                self._adds.append((p, h))
         if not self._sync_queued:
             self._sync_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _land_adds(self) -> None:
+        """Add the accumulated block gradients in flight to ``p.grad``, once the side stream has run them."""
+        if self._adds:
+            self.pair.sync()
+            for p, h in self._adds:
+                p.grad.add_(h)
+            self._adds.clear()
+
     def _end_of_backward(self) -> None:
         self._sync_queued = False
         self.pair.sync()
+        self._land_adds()
 
 
 class _Call:

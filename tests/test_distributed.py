@@ -1,0 +1,228 @@
+"""The multi-GPU paths proven on CPU ranks: NCCL's device rule enforced on gloo (strict collectives),
+FSDP2 on a meta-built model (no rank ever holds the whole model), fp16 with sharded gradients,
+sharded checkpoints that restore the loss scaler, ranks that die with their parent, and torchrun.
+One spawn runs every in-rank check (process start is the slow part)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from colabkit import build_model, weights_sha256
+from colabkit.collectives import STRICT_ENV, collective, install_strict, rank_tensor, uninstall_strict
+from colabkit.distributed import RankData, global_mean, launch, load_sharded, save_sharded
+from colabkit.memory import MemoryTracker
+from colabkit.trainer import Trainer, load_model
+
+WORLD = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----- 1. NCCL's rule under gloo --------------------------------------------------------------
+OLD_GLOBAL_MEAN = '''
+def global_mean(x):  # colabkit 0.x before the fix: a CPU tensor made ad hoc, all-reduced directly
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+'''
+
+
+def test_strict_collectives_reject_what_nccl_would(tmp_path, monkeypatch):
+    monkeypatch.setenv(STRICT_ENV, "1")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    install_strict()
+    try:
+        assert global_mean(2.5) == 2.5  # the fixed path: rank_tensor + collective
+        assert collective("all_reduce", rank_tensor([3]), reduce="max").item() == 3
+        with pytest.raises(RuntimeError, match="made ad hoc"):  # a plain CPU tensor: a CPU tensor under nccl
+            collective("all_reduce", torch.tensor([1.0]))
+        old = {"__name__": "colabkit.distributed", "torch": torch, "dist": dist}
+        exec(OLD_GLOBAL_MEAN, old)  # the code before the fix, as if it were colabkit's module
+        with pytest.raises(RuntimeError, match="called directly from colabkit.distributed"):
+            old["global_mean"](2.5)
+        dist.all_reduce(torch.tensor([1.0]))  # torch's engines and user code keep plain torch.distributed
+    finally:
+        uninstall_strict()
+        dist.destroy_process_group()
+
+
+# ----- 2-4. in the ranks: meta build, fp16 sharding, scaler resume -------------------------------
+META_MODEL = "gpt:4x128"  # vocab 256: the blocks, not the embeddings, are most of the model
+
+
+def _meta_build() -> dict:
+    """zero:3 built from the meta device, under a tracker that sees every storage created."""
+    torch.manual_seed(0)
+    with MemoryTracker() as mt:
+        model = load_model(META_MODEL, "zero:3", seq=16, device="cpu")
+        on_meta = all(p.is_meta for p in model.parameters())
+        trainer = Trainer(model, "zero:3", device="cpu")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"on_meta": on_meta, "peak": mt.report()["peak_bytes"], "full": full,
+            "local": sum(p.to_local().nbytes for p in trainer.model.parameters())}
+
+
+def _found_inf_agreed() -> dict:
+    """zero:2+fp16: an inf in rank 0's gradient shard only; both ranks must skip the step."""
+    torch.manual_seed(0)
+    t = Trainer(load_model("gpt:2x64", "zero:2+fp16", seq=16, device="cpu"), "zero:2+fp16", device="cpu")
+    x, y = RankData().batch(2, 16, step=0)
+    with t.forward_context():
+        loss = t.loss(x, y, y.numel() * WORLD)
+    t.scaler.scale(loss)  # starts the scaler; then a scale at which no gradient overflows by itself
+    t.scaler.update(1.0)
+    t.scaler.scale(loss).backward()
+    if dist.get_rank() == 0:
+        next(iter(t.model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in t.model.parameters()]
+    scale = t.scaler.get_scale()
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
+    same = all(torch.equal(a, p.to_local()) for a, p in zip(before, t.model.parameters()))
+    return {"skipped": same, "scale_before": scale, "scale_after": t.scaler.get_scale()}
+
+
+def _fp16_run(directory: str, steps: int, save_at: int, resume: bool) -> dict:
+    """zero:1+fp16 from a loss scale of 2**18: this model's gradients overflow at 2**17-2**18, so the
+    scaler skips steps and backs off during the first steps, as an fp16 run does when it starts."""
+    torch.manual_seed(0)
+    t = Trainer(load_model("gpt:2x64", "zero:1+fp16", seq=16, device="cpu"), "zero:1+fp16", device="cpu")
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 18)
+    if resume:
+        assert load_sharded(t, directory)
+    losses, data = [], RankData()
+    for step in range(t.step_count, steps):
+        losses.append(global_mean(t.step(*data.batch(2, 16, step=step))))
+        if step + 1 == save_at:
+            save_sharded(t, directory)
+    flat = torch.cat([p.detach().reshape(-1) for p in t.model.parameters()])
+    return {"losses": losses, "scale": t.scaler.get_scale(), "weights": flat}
+
+
+def _ranks(directory: str) -> dict:
+    out = {"meta": _meta_build(), "inf": _found_inf_agreed()}
+    out["fp16"] = [_fp16_run(directory, 5, 0, False), _fp16_run(directory, 2, 2, False),
+                   _fp16_run(directory, 5, 0, True)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(_ranks, WORLD, str(tmp_path_factory.mktemp("fp16ckpt")), device="cpu")
+
+
+def test_meta_build_shards_before_weights_exist(ranks):
+    torch.manual_seed(0)
+    ref = build_model(META_MODEL, seq=16)  # a plain single-process build, same seed
+    total = sum(p.nbytes for p in ref.parameters())
+    block = sum(p.nbytes for p in ref.blocks[0].parameters())
+    for r in ranks:
+        m = r["meta"]
+        assert m["on_meta"]  # load_model gave a model without memory
+        assert m["local"] <= total / WORLD + block
+        assert m["peak"] <= total / WORLD + block, (m["peak"], total, block)  # the whole build, tracked
+        assert m["peak"] < total  # negative control of the bound: building it whole first would exceed it
+    full, want = ranks[0]["meta"]["full"], ref.state_dict()
+    assert set(full) == set(want)
+    assert all(torch.allclose(full[k], want[k], rtol=0, atol=1e-7) for k in want)
+    torch.manual_seed(1)
+    other = build_model(META_MODEL, seq=16).state_dict()  # negative control: another seed differs
+    assert not all(torch.allclose(full[k], other[k], rtol=0, atol=1e-7) for k in want)
+
+
+def test_fp16_sharded_grads_agree_on_skipping(ranks):
+    for r in ranks:  # the inf was in rank 0's shard only: without the all-reduce rank 1 would step
+        assert r["inf"]["skipped"] and r["inf"]["scale_after"] == r["inf"]["scale_before"] / 2
+
+
+def test_fp16_resume_restores_scaler_and_is_exact(ranks):
+    full, first, rest = ranks[0]["fp16"]
+    assert first["scale"] < 2.0 ** 18  # the scale moved before the checkpoint (else the test proves nothing)
+    assert rest["scale"] == full["scale"]
+    assert rest["losses"] == full["losses"][2:]
+    assert torch.equal(rest["weights"], full["weights"])
+    assert not torch.equal(first["weights"], full["weights"])  # negative control
+
+
+# ----- 5. ranks die with their parent -----------------------------------------------------------
+def stubborn_rank() -> None:
+    """A rank that handles Ctrl-C itself (as a run that checkpoints on interrupt would) and works on:
+    torch's own spawn asks the kernel for SIGINT at the parent's death, which such a rank survives."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        time.sleep(0.1)
+
+
+def _connected(p: psutil.Process) -> bool:
+    try:
+        return any(c.status == psutil.CONN_ESTABLISHED for c in p.net_connections(kind="tcp"))
+    except psutil.Error:
+        return False
+
+
+def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
+    """Start ``cmd`` (which launches 2 ranks), SIGKILL it once both ranks are in the process group, and
+    return the pids of ranks still running ``timeout`` seconds later."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[psutil.Process] = []
+    family: list[psutil.Process] = []  # everything the parent started (ranks, its resource tracker)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and not (len(ranks) == WORLD and all(_connected(r) for r in ranks)):
+            time.sleep(0.5)  # until both ranks are in the process group (a TCP connection each)
+            try:
+                family = psutil.Process(parent.pid).children(recursive=True)
+                ranks = [c for c in family if c.ppid() == parent.pid and "spawn" in " ".join(c.cmdline())]
+            except psutil.Error:  # a process that ended between the listing and the look
+                continue
+        assert len(ranks) == WORLD and all(_connected(r) for r in ranks), "the ranks did not start"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        _, alive = psutil.wait_procs(ranks, timeout=timeout)
+        return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    finally:  # never leave anything of this test behind
+        if parent.poll() is None:
+            parent.kill()
+        for p in family:
+            if p.is_running():
+                p.kill()
+
+
+def test_sigkill_of_parent_ends_even_stubborn_ranks():
+    code = "from colabkit.distributed import launch; from tests.test_distributed import stubborn_rank; " \
+           "launch(stubborn_rank, 2, device='cpu')"
+    assert _kill_parent_and_watch([sys.executable, "-c", code], timeout=5) == []
+
+
+@pytest.mark.slow
+def test_sigkill_of_train_world_size_two_ends_its_ranks():
+    cmd = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:2x64", "--device", "cpu", "--no-track",
+           "--batch", "4", "--seq", "16", "--plan", "zero:1", "--steps", "100000", "--world-size", "2"]
+    assert _kill_parent_and_watch(cmd, timeout=5) == []
+
+
+# ----- 6. torchrun ------------------------------------------------------------------------------
+def test_torchrun_equals_world_size_two():
+    args = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
+            "--seq", "16", "--no-track", "--json", "-"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
+    runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for cmd in (torchrun + args, [sys.executable, "-m", "colabkit", *args, "--world-size", "2"])]
+    (by_torchrun, err), (spawned, _) = (p.communicate(timeout=300) for p in runs)
+    assert [p.returncode for p in runs] == [0, 0], err[-2000:]
+    result, spawned = json.loads(by_torchrun), json.loads(spawned)  # torchrun: rank 0 printed, rank 1 nothing
+    assert result["losses"] == spawned["losses"] and result["weights_sha256"] == spawned["weights_sha256"]
+    torch.manual_seed(0)
+    assert weights_sha256(build_model("gpt:4x128", seq=16)) != result["weights_sha256"]  # negative control: it trained
