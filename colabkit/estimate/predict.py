@@ -117,7 +117,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str = "
     if profile is not None and host:
         resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
     if profile is not None:  # the model is built in fp32 on the GPU before any technique shrinks it
-        build = _build_bytes(model_fn, plan, t["params"])
+        # zero:2/3 build on the meta device (or in host RAM) and shard before the GPU holds weights
+        build = 0 if (zero or 0) > 1 else _build_bytes(model_fn, plan, t["params"])
         if build:
             fixed = sum(v.nbytes for v in terms.values() if not v.scales)
             out["build_bytes"] = build
