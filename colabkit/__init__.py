@@ -74,3 +74,5 @@ from .techniques.chunked_ce import (ChunkedCrossEntropy, ChunkedLogits, auto_chu
 from .collectives import collective, rank_tensor  # noqa: E402
 from .distributed import torchrun_world  # noqa: E402
 from .estimate import plan_of_arguments  # noqa: E402  (a transformers TrainingArguments read back as a plan)
+from .estimate.auto import choose as choose_plan  # noqa: E402  (plan="auto": the fastest plan predicted to fit)
+from .estimate.speed import predict_step_time  # noqa: E402

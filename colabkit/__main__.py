@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import Any, Callable
 
-from .env import emulate_t4, env, format_env
+from .env import default_device, emulate_t4, env, format_env
 from .memory import CATEGORIES, fmt_bytes
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Any], Callable[[Any], str], str]] = {}
@@ -103,6 +103,13 @@ def _bench(args: argparse.Namespace) -> dict:
     check_sizes(args.batch, args.seq, args.steps)  # refused like train's, before any plan runs
     check_context(args.model, args.seq)
     det = _deterministic(args)
+    if "auto" in (args.plan or []):  # the fastest plan predicted to fit, for this machine (colabkit.estimate.auto)
+        from .estimate.auto import choose
+
+        cuda = (args.device or default_device()).startswith("cuda")
+        choice = choose(args.model, args.batch, args.seq, gpu="t4" if cuda else None, device=None if cuda else "cpu")
+        print(f"colabkit: {choice['why']}", file=sys.stderr)
+        args.plan = [choice["plan"] if p == "auto" else p for p in args.plan]
     if args.t4:
         emulate_t4()
     if getattr(args, "world_size", 1) > 1:
@@ -124,7 +131,7 @@ def _env_cmd(args: argparse.Namespace) -> dict:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     _run_args(p, steps=50)
-    p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint (default baseline)")
+    p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint, or auto: the fastest predicted to fit (default baseline)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write crash-safe checkpoints here (every 10 min of wall time and at the end, unless "

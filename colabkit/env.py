@@ -77,6 +77,33 @@ GPU_PROFILES: dict[str, dict[str, Any]] = {
         "host RAM ~83.5 GB (Colab's A100 VM, approximate)",
     },
 }
+GPU_PROFILES["a100-80gb"] = {
+    "name": "NVIDIA A100-SXM4-80GB", "match": ("A100", "80GB"), "count": 1,
+    "total_bytes": 81920 * MiB,
+    "capacity_bytes": int(79.15 * GiB),
+    "usable_bytes": int(78.7 * GiB),
+    "capability": (8, 0),
+    "native_bf16": True,
+    "sdpa": ["math", "efficient", "flash"],
+    "host_ram_bytes": int(1360e9 / 8),
+    "source": "cloud A100 80 GB (SXM4). nvidia-smi 81920 MiB (A100 datasheet: 80 GB HBM2e, 2,039 GB/s); OOM "
+    "messages from A100-SXM4-80GB read 'total capacity of 79.15 GiB'; sm80: bf16 and flash attention; host RAM: "
+    "an 8-GPU VM's share (GCP a2-ultragpu-8g: 1,360 GB for 8 GPUs), approximate",
+}
+GPU_PROFILES["h100"] = {
+    "name": "NVIDIA H100 80GB HBM3", "match": ("H100",), "count": 1,
+    "total_bytes": 81559 * MiB,
+    "capacity_bytes": int(79.10 * GiB),
+    "usable_bytes": int(78.6 * GiB),
+    "capability": (9, 0),
+    "native_bf16": True,
+    "sdpa": ["math", "efficient", "flash"],
+    "host_ram_bytes": int(2048e9 / 8),
+    "source": "cloud H100 80 GB (SXM5). nvidia-smi 81559 MiB (H100 datasheet: 80 GB HBM3, 3.35 TB/s); OOM messages "
+    "from H100 80GB HBM3 read 'total capacity of 79.10 GiB' (approximate: 79.1-79.2 are seen); sm90: bf16 and "
+    "flash attention; host RAM: an 8-GPU VM's share (AWS p5.48xlarge: 2 TiB for 8 GPUs), approximate",
+}
+GPU_PROFILES["h100-80gb"] = GPU_PROFILES["h100"]
 GPU_PROFILES["t4x2"] = dict(
     GPU_PROFILES["t4"], count=2, platform="kaggle", host_ram_bytes=int(29e9),
     source="Kaggle 'GPU T4 x2': two T4s, each as the t4 profile (the estimate judges one GPU: without sharding "
@@ -89,7 +116,7 @@ def profile_for(gpu_name: str | None, count: int = 1, platform: str | None = Non
     """The key of :data:`GPU_PROFILES` whose ``match`` words all occur in ``gpu_name`` (CUDA's device name);
     with ``count`` GPUs on Kaggle, the multi-GPU profile (``t4x2``). None when no profile matches.
 
-    >>> profile_for("Tesla T4"), profile_for("Tesla T4", count=2, platform="kaggle"), profile_for("NVIDIA A100-SXM4-80GB")
+    >>> profile_for("Tesla T4"), profile_for("Tesla T4", count=2, platform="kaggle"), profile_for("NVIDIA GeForce RTX 3090")
     ('t4', 't4x2', None)
     """
     if not gpu_name:

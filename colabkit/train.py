@@ -210,6 +210,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_AUTO: Callable[..., dict[str, Any]] | None = None
+
+
+def register_auto(fn: Callable[..., dict[str, Any]] | None) -> None:
+    """Install what ``train(..., plan="auto")`` runs (the planner registers
+    :func:`colabkit.estimate.auto.train_auto`; the train loop sits below the estimator and never imports it)."""
+    global _AUTO
+    _AUTO = fn
+
+
 def train(
     model: torch.nn.Module | str,
     data: TextData | None = None,
@@ -268,6 +278,11 @@ def train(
     >>> len(out["losses"]), out["step"]
     (2, 2)
     """
+    if isinstance(plan, str) and plan.strip() == "auto":  # the fastest plan predicted to fit (colabkit.estimate.auto)
+        if _AUTO is None:
+            raise PlanError("plan='auto' needs the planner: import colabkit (colabkit.estimate registers it)")
+        kw = {k: v for k, v in locals().items() if k not in ("model", "plan", "kw")}
+        return _AUTO(model, **kw)
     plan = Plan.parse(plan)
     check_run(batch, seq, steps, plan, on_oom, checkpoint_every, resume, checkpoint_dir, checkpoint_minutes)
     check_device(device)

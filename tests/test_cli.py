@@ -123,9 +123,10 @@ def test_plan_table_has_a_header_and_says_what_its_percentage_means(monkeypatch,
     monkeypatch.setattr(cli, "plans", lambda *a: real(*a, candidates=["baseline", "checkpoint"]))
     assert main(["plan", "--model", "gpt-tiny", "--batch", "2", "--seq", "16"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["verdict", "tensors", "peak", "device", "need", "+-", "uncertainty", "step", "time", "plan"]
-    assert re.fullmatch(r"fits +[\d.]+ [KMG]?i?B +[\d.]+ [KMG]iB \+-[\d.]+ [KMG]iB +\+0%  baseline", lines[1])
-    assert re.fullmatch(r"fits .* +\+\d+%  checkpoint", lines[2])
+    assert lines[0].split() == ["verdict", "tensors", "peak", "device", "need", "+-", "uncertainty", "step", "time",
+                                "s/step", "tokens/s", "plan"]
+    assert re.fullmatch(r"fits +[\d.]+ [KMG]?i?B +[\d.]+ [KMG]iB \+-[\d.]+ [KMG]iB +\+0% +[\d.e-]+ +[\d,]+  baseline", lines[1])
+    assert re.fullmatch(r"fits .* +\+\d+% +[\d.e-]+ +[\d,]+  checkpoint", lines[2])
     assert "relative to baseline's (+33% = a third slower" in lines[3]
 
 

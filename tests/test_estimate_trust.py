@@ -119,7 +119,7 @@ def test_shipped_hub_configs_match_published_sizes():
     published = {"openai-community/gpt2": 124.4e6, "openai-community/gpt2-xl": 1557.6e6,
                  "meta-llama/Llama-2-7b-hf": 6.74e9, "meta-llama/Llama-3.1-8B": 8.03e9,
                  "mistralai/Mistral-7B-v0.1": 7.24e9, "Qwen/Qwen2.5-0.5B": 0.494e9, "Qwen/Qwen2.5-7B": 7.62e9,
-                 "google/gemma-2-2b": 2.61e9}
+                 "google/gemma-2-2b": 2.61e9, "meta-llama/Llama-3.1-70B": 70.6e9, "meta-llama/Llama-3.1-405B": 405.9e9}
     assert set(published) <= set(shipped_hub_ids())
     for mid, n in published.items():
         with torch.device("meta"):

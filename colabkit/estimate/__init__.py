@@ -27,6 +27,8 @@ from .predict import estimate, from_config, plan_of_arguments
 from .trace import CUDA_ALLOC_ROUND, check_as_gpu, trace
 from .calibrate import calibrate
 from .cli import _table, register_cli
+from .auto import choose as choose_plan, train_auto
 
 __all__ = ["analytic", "COST", "candidate_plans", "gpt2_shape", "largest", "pareto", "plans", "step_time",
-           "suggest", "estimate", "from_config", "plan_of_arguments", "calibrate", "CUDA_ALLOC_ROUND", "check_as_gpu", "trace", "register_cli"]
+           "suggest", "estimate", "from_config", "plan_of_arguments", "calibrate", "CUDA_ALLOC_ROUND", "check_as_gpu",
+           "trace", "register_cli", "choose_plan", "train_auto"]

@@ -1,7 +1,10 @@
 """The ``estimate``, ``plan`` and ``largest`` subcommands (registered by ``colabkit.__main__``)."""
 from __future__ import annotations
 
+import sys
+
 from ..memory import CATEGORIES, fmt_bytes
+from .auto import choose
 from .calibrate import calibrate, calibration_table
 from .planner import largest, pareto, plans
 from .predict import estimate
@@ -23,6 +26,10 @@ def _table(r: dict) -> str:
         d = r["resources"]["device"]
         lines.append(f"{'device need':<20} {fmt_bytes(d['need']):>10} {fmt_bytes(d['uncertainty']):>9}  "
                      "(tensors' peak + overheads; sources: --json overhead_terms)")
+    if "step_time" in r:  # colabkit.estimate.speed
+        s = r["step_time"]
+        lines.append(f"predicted step {r['step_time_s']:.3g} s +-{s['uncertainty']:.0%}, {r['tokens_per_s']:,.0f} tokens/s ("
+                     + ", ".join(f"{k} {v:.2g} s" for k, v in s["terms"].items()) + f"); {s['source']}")
     if "analytic" in r:
         a = r["analytic"]
         lines.append(f"formula: {a['bytes_per_param']:.1f} B/param + activations {a['activation_formula']} "
@@ -37,16 +44,19 @@ def _need(r: dict) -> str:
 
 
 def _plans_table(rows: list[dict]) -> str:
-    lines = [f"{'verdict':<12} {'tensors peak':>12} {'device need +- uncertainty':>26} {'step time':>9}  plan"]
+    lines = [f"{'verdict':<12} {'tensors peak':>12} {'device need +- uncertainty':>26} {'step time':>9} {'s/step':>8} "
+             f"{'tokens/s':>9}  plan"]
     for r in rows:
         verdict = r.get("verdict") or ("fits" if r["fits"] else "does not fit")
         if r.get("error"):
-            lines.append(f"{'refused':<12} {'':>12} {'':>26} {'':>9}  {r['plan']}: {r['error']}")
+            lines.append(f"{'refused':<12} {'':>12} {'':>26} {'':>9} {'':>8} {'':>9}  {r['plan']}: {r['error']}")
             continue
-        lines.append(f"{verdict:<12} {fmt_bytes(r['peak_bytes']):>12} {_need(r):>26} {(r['overhead'] or 0):>+9.0%}  {r['plan']}")
+        lines.append(f"{verdict:<12} {fmt_bytes(r['peak_bytes']):>12} {_need(r):>26} {(r['overhead'] or 0):>+9.0%} "
+                     f"{r['step_time_s']:>8.3g} {r.get('tokens_per_s') or 0:>9,.0f}  {r['plan']}")
     lines.append("tensors peak: predicted peak of the run's tensors; device need: that plus the GPU's overheads (CUDA "
                  "context, workspace, fragmentation), +- their uncertainty; step time: predicted time per step "
-                 "relative to baseline's (+33% = a third slower, -40% = 40% faster). Predictions, nothing allocated.")
+                 "relative to baseline's (+33% = a third slower, -40% = 40% faster), s/step and tokens/s from the counted FLOPs "
+                 "and bytes (colabkit.estimate.speed). Predictions, nothing allocated.")
     return "\n".join(lines)
 
 
@@ -114,10 +124,10 @@ def _args(p, plan=True, model=True) -> None:
     if model:
         p.add_argument("--model", default="gpt2-124m", help="preset, gpt:LxD, llama:LxD or hf:<id> (default gpt2-124m)")
     if plan:
-        p.add_argument("--plan", default="baseline", help="one plan: tokens joined by '+' (default baseline)")
+        p.add_argument("--plan", default="baseline", help="one plan: tokens joined by '+', or auto: the fastest predicted to fit (default baseline)")
     p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
-    p.add_argument("--gpu", default="t4", help="GPU profile to predict for: t4, t4x2, p100, l4, a100 (default t4)")
+    p.add_argument("--gpu", default="t4", help="GPU profile to predict for: t4, t4x2, p100, l4, a100, a100-80gb, h100 (default t4)")
     p.add_argument("--device", default=None, choices=["cpu"], help="predict a CPU run instead (how CI checks against bench)")
 
 
@@ -134,7 +144,12 @@ def register_cli(subcommand) -> None:
     def _estimate(args):
         check_sizes(args.batch, args.seq, 1)
         _check_seq(args.model, args.seq)
-        return estimate(args.model, args.plan, batch=args.batch, seq=args.seq, gpu=args.gpu, device=args.device,
+        plan = args.plan
+        if plan.strip() == "auto":  # the fastest plan predicted to fit, said with why
+            choice = choose(args.model, args.batch, args.seq, gpu=args.gpu, device=args.device)
+            print(f"colabkit: {choice['why']}", file=sys.stderr)
+            plan = choice["plan"]
+        return estimate(args.model, plan, batch=args.batch, seq=args.seq, gpu=args.gpu, device=args.device,
                         world_size=args.world_size)
 
     def plan_args(p):
@@ -153,7 +168,7 @@ def register_cli(subcommand) -> None:
             ax = pareto(rows, budget_bytes=next((r["budget_bytes"] for r in rows if r.get("budget_bytes")), None))
             ax.figure.savefig(args.chart, dpi=120, bbox_inches="tight")
         return [{k: r.get(k) for k in ("plan", "fits", "verdict", "peak_bytes", "host_bytes", "overhead", "step_time_s",
-                                       "breakdown", "overheads", "resources", "error")} for r in rows]
+                                       "tokens_per_s", "breakdown", "overheads", "resources", "error")} for r in rows]
 
     @subcommand("largest", "the largest GPT-shaped model that fits a plan (exit 1 when nothing does)",
                 lambda p: _args(p, model=False), _largest_table)

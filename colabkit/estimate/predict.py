@@ -27,7 +27,9 @@ from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
-from .zero import for_rank, zero_per_rank
+from .zero import for_rank, shard_trace
+from .scale import by_depth, hub_depth
+from .speed import count_flops, speed_of
 from .trace import (CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, batch_shape, check_as_gpu, described,
                     trace_with_substitutes)
 
@@ -120,6 +122,11 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     if type(model_fn).__name__.endswith("Config") and hasattr(model_fn, "model_type"):  # a transformers config
         model_fn = from_config(model_fn)
     profile = _profile(gpu, device)
+    if (depth := hub_depth(model_fn)) is not None:  # 80 blocks of a 70B model: two shallow traces, extrapolated
+        r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
+                     budget_bytes=budget_bytes, calibration=calibration, world_size=world_size)
+        r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
+        return r
     plan = Plan.parse(plan)
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
@@ -137,6 +144,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                    CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
+        counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes)  # plan: offload is bytes moved
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
@@ -182,7 +190,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     if profile is not None and host:
         resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
     if profile is not None:  # the model is built in fp32 on the GPU before any technique shrinks it
-        build = _build_bytes(model_fn, plan, t["params"])
+        # zero:2/3 build on the meta device (or in host RAM) and shard before the GPU holds weights
+        build = 0 if (zero or 0) > 1 else _build_bytes(model_fn, plan, t["params"])
         if build:
             fixed = sum(v.nbytes for v in terms.values() if not v.scales)
             out["build_bytes"] = build
@@ -194,6 +203,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         resources["disk"] = {"need": int(disk_bytes), "budget": int(free or 0),
                              "uncertainty": 0}
     out.update(verdict(resources))
+    out.update(speed_of(out, counts, profile, calibration))
     if isinstance(model_fn, str) and (note := preset_vs_hub(model_fn)):
         notes.append(note)
     if cfg is not None and hasattr(cfg, "n_layer"):
@@ -240,16 +250,8 @@ def preset_vs_hub(name: str) -> str | None:
 
 
 def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
-    """Apply :func:`.zero.zero_per_rank` to every breakdown of a trace (own peaks, the peak's composition,
-    each phase), so the rest of :func:`estimate` sees one rank."""
-    if not stage or world_size < 2:
-        return
-    for d in [t] + list(t["phase_peaks"].values()):
-        for k in ("breakdown", "own"):
-            if k in d:
-                d[k] = zero_per_rank(d[k], stage, world_size)
-        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
-        d["peak_bytes" if d is t else "peak"] = sum(d["at_peak"].values())
+    """One rank of a sharded run (:func:`.zero.shard_trace`), so the rest of :func:`estimate` sees one rank."""
+    shard_trace(t, stage, world_size)
 
 
 def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:
@@ -278,9 +280,7 @@ def _build_bytes(model_fn: Any, plan: Plan, params: int) -> int:
     and ``lora``/``qlora`` on GPT presets, ``gpt:``/``llama:`` shapes are built on the meta device and
     materialised layer by layer into NF4 / 16 bits (colabkit.techniques.lora), so the step's own
     parameter bytes are the build's too (0: nothing beyond the step)."""
-    name = model_fn if isinstance(model_fn, str) else ""
-    if hasattr(model_fn, "_colabkit_config"):  # a GPT shape the planner builds (trace.gpt_builder): gpt:LxD:vV
-        name = model_fn.__name__
+    name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "")  # planner/scale: the shape's name
     if "qlora" in plan and name.startswith("hf:"):
         return 0
     if ("lora" in plan or "qlora" in plan) and not name.startswith("hf:") and name:

@@ -269,6 +269,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
                 block_shapes = None
             frozen = _frozen(trainer.model)
             frozen16 = [(n, q) for n, q, es in frozen if es == 2]
+            try:  # each block's parameter bytes: FSDP2's all-gather units (estimate.zero)
+                block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(trainer.model)]
+            except ValueError:
+                block_bytes = []
             tracker.reset_peaks()
             for step in run:
                 trainer.step_count = step
@@ -278,7 +282,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
-            "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg}
+            "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
+            "block_bytes": block_bytes}
 
 
 _REAL_COMPUTE_DTYPE = _lora.compute_dtype

@@ -24,6 +24,9 @@ and 2 (reduce-scatter + all-gather, as DDP's all-reduce), 3Ψ for stage 3 (one m
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from ..plan import Plan, PlanError
 
 SHARDED = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
@@ -42,6 +45,58 @@ def zero_per_rank(breakdown: dict[str, int], stage: int | None, world_size: int)
     return out
 
 
+def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
+    """One rank's share of a single-process trace ``t`` (traced at the per-rank micro-batch), in place:
+    every breakdown (own peaks, the peak's composition, each phase) through :func:`zero_per_rank`, plus what
+    the engines add per phase, then the step's peak as the largest phase's:
+
+    * zero:1 (DDP, ``gradient_as_bucket_view``): the full gradients exist from the start as all-reduce
+      buckets; in backward autograd's fresh gradient sits next to them until it is copied in;
+    * zero:3 (FSDP2, ``reshard_after_forward=True``): the root unit's parameters (embeddings, head, final
+      norm) are gathered for the whole forward and backward (FSDP2 keeps the root unsharded after forward),
+      a block's are gathered while it runs, and in backward the next block is prefetched (current + next:
+      two blocks). They are full-size copies beside the shards, filed under activations as the tracker
+      files them.
+
+    >>> t = {"breakdown": {"params": 40, "grads": 40, "optimizer": 80, "activations": 10, "other": 0},
+    ...      "at_peak": {"params": 40, "grads": 40, "optimizer": 80, "activations": 0, "other": 0},
+    ...      "phase_peaks": {"backward": {"peak": 130, "at_peak": {"params": 40, "grads": 0, "optimizer": 80,
+    ...                                                          "activations": 10, "other": 0}}},
+    ...      "block_bytes": [15, 15]}
+    >>> t["phase_peaks"]["backward"]["own"] = dict(t["phase_peaks"]["backward"]["at_peak"])
+    >>> shard_trace(t, 3, 2); t["peak_bytes"], t["phase_peaks"]["backward"]["at_peak"]["activations"]
+    (110, 50)
+    """
+    if not stage or world_size < 2:
+        return
+    full = dict(t["breakdown"])  # single-process own peaks: P, G, K*psi
+    blocks = t.get("block_bytes") or []
+    block = max(blocks, default=0)
+    root = max(0, full["params"] - sum(blocks))
+    gathered = {"forward": root + block, "backward": root + 2 * block}
+    largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
+    for d in [t] + list(t["phase_peaks"].values()):
+        for k in ("breakdown", "own"):
+            if k in d:
+                d[k] = zero_per_rank(d[k], stage, world_size)
+        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
+    for phase, d in t["phase_peaks"].items():
+        if stage == 1:  # DDP's buckets are the gradients from the start (+ a fresh one in backward, at most the largest)
+            fresh = d["at_peak"]["grads"] if phase == "backward" else 0
+            d["at_peak"]["grads"] = max(full["grads"], d["at_peak"]["grads"]) + fresh
+            d["own"]["grads"] = max(d["own"]["grads"], d["at_peak"]["grads"], full["grads"] + (largest if fresh else 0))
+        if stage == 3:
+            for k in ("at_peak", "own"):
+                d[k]["activations"] += gathered.get(phase, 0)
+        d["peak"] = sum(d["at_peak"].values())
+    if t["phase_peaks"]:
+        top = max(t["phase_peaks"], key=lambda p: t["phase_peaks"][p]["peak"])
+        t["peak_phase"], t["at_peak"] = top, dict(t["phase_peaks"][top]["at_peak"])
+        for c in t["breakdown"]:
+            t["breakdown"][c] = max([t["breakdown"][c]] + [v["own"][c] for v in t["phase_peaks"].values() if "own" in v])
+    t["peak_bytes"] = sum(t["at_peak"].values())
+
+
 def comm_elements(params: int, stage: int | None, world_size: int) -> int:
     """Elements each rank sends per optimizer step (ring collectives, the ZeRO paper's 2Ψ / 3Ψ times
     (N_d-1)/N_d).
@@ -56,12 +111,20 @@ def comm_elements(params: int, stage: int | None, world_size: int) -> int:
 
 
 def for_rank(plan: Plan, batch: int, world_size: int) -> tuple[Plan, int, int | None]:
-    """The single-process plan and micro-batch to trace for one rank of a sharded run, and its stage."""
+    """The single-process plan and micro-batch to trace for one rank of a sharded run, and its stage.
+    A batch smaller than the ranks is read as one sequence per rank (each rank needs one).
+
+    >>> plan, micro, stage = for_rank(Plan.parse("zero:3+checkpoint"), 1, 8)
+    >>> str(plan), micro, stage
+    ('checkpoint', 1, 3)
+    """
     stage = plan.get("zero")
     if world_size < 2 or stage is None:
         if stage is not None:
             raise PlanError(f"zero:{stage} is per rank of a sharded run: give world_size >= 2 (--world-size 2)")
         return plan, batch, None
+    if batch < world_size:  # one sequence per rank at least: the global batch is world_size
+        batch = world_size
     if batch % world_size:
         raise PlanError(f"batch {batch} does not split over {world_size} ranks: use a batch divisible by {world_size}")
     rest = [t for t in plan.tokens if t.partition(":")[0] != "zero"]

@@ -1,0 +1,265 @@
+"""Predicted step time: FLOPs from the fake-tensor step, bytes moved to the host and the disk, over a
+device's achievable throughput and bandwidths.
+
+:func:`count_flops` runs one real Trainer step on fake tensors under ``torch.utils.flop_counter``'s
+``FlopCounterMode`` (matmuls and attention: what a transformer's time goes to; recomputation under
+``checkpoint`` and the frozen base of ``lora`` are seen as they run). :func:`step_time` adds the optimizer
+update (memory-bound: bytes read and written per trainable parameter over the device's bandwidth), the
+PCIe traffic of ``offload:*`` and the disk traffic of ``offload:disk``, each over the figures of
+:data:`THROUGHPUT` (datasheet peaks times an achievable fraction, each with its source) -- or over what
+``colabkit calibrate`` measured when it stored ``speed`` in the profile. On a CPU the figures are measured
+once (:func:`cpu_throughput`: a matmul and a copy), so the prediction can be checked against real steps.
+
+>>> f = count_flops("gpt-tiny", "baseline", 2, 16)["flops"]
+>>> f > 0, count_flops("gpt-tiny", "checkpoint", 2, 16)["flops"] > f   # recomputation: one more forward
+(True, True)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..plan import REGISTRY, Plan
+from ..techniques.optimizers import state_bytes_per_param
+from ..timing import time_fn
+from ..trainer import Trainer
+from .trace import _build, _HostScalars, _swap_by_data
+
+# Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
+# main uncertainty (UNCERTAINTY): real models run smaller matmuls and elementwise kernels the count omits.
+THROUGHPUT: dict[str, dict[str, Any]] = {
+    "t4": {"fp32": 8.1e12, "fp16": 65e12, "bf16": None, "mem_bw": 320e9, "pcie": 12e9, "disk": 150e6,
+           "source": "NVIDIA T4 datasheet: 8.1 TFLOPS fp32, 65 TFLOPS fp16 tensor cores, 320 GB/s GDDR6; PCIe 3.0 "
+                     "x16 15.75 GB/s theoretical, ~12 GB/s pinned copies; Colab VM disk ~150 MB/s (assumed, "
+                     "GCP persistent-disk class)"},
+    "p100": {"fp32": 9.3e12, "fp16": 18.7e12, "bf16": None, "mem_bw": 732e9, "pcie": 12e9, "disk": 150e6,
+             "source": "NVIDIA P100 PCIe datasheet: 9.3 TFLOPS fp32, 18.7 fp16 (no tensor cores), 732 GB/s; PCIe 3.0"},
+    "l4": {"fp32": 30.3e12, "fp16": 121e12, "bf16": 121e12, "mem_bw": 300e9, "pcie": 25e9, "disk": 150e6,
+           "source": "NVIDIA L4 datasheet: 30.3 TFLOPS fp32, 121 TFLOPS fp16/bf16 dense, 300 GB/s; PCIe 4.0 x16"},
+    "a100": {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12, "mem_bw": 1555e9, "pcie": 25e9, "disk": 150e6,
+             "source": "NVIDIA A100 datasheet (40 GB): 19.5 TFLOPS fp32, 312 fp16/bf16 dense, 1,555 GB/s; PCIe 4.0 x16"},
+    "a100-80gb": {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12, "mem_bw": 2039e9, "pcie": 25e9, "disk": 1e9,
+                  "source": "NVIDIA A100 datasheet (80 GB SXM): 19.5 TFLOPS fp32, 312 fp16/bf16 dense, 2,039 GB/s "
+                            "HBM2e; PCIe 4.0 x16 31.5 GB/s theoretical, ~25 achievable; local NVMe ~1 GB/s (assumed)"},
+    "h100": {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12, "mem_bw": 3350e9, "pcie": 50e9, "disk": 1e9,
+             "source": "NVIDIA H100 SXM datasheet: 67 TFLOPS fp32, 989 fp16/bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 "
+                       "x16 63 GB/s theoretical, ~50 achievable; local NVMe ~1 GB/s (assumed)"},
+}
+THROUGHPUT["t4x2"] = THROUGHPUT["t4"]
+THROUGHPUT["a100-40gb"] = THROUGHPUT["a100"]
+THROUGHPUT["h100-80gb"] = THROUGHPUT["h100"]
+# Achievable fraction of the peak in a training step (assumed: MFU of 30-50% is what well-tuned training
+# reports on A100/H100 [PaLM 2022, Megatron-LM]; a T4 at 70 W throttles below its boost clock)
+ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4}
+UNCERTAINTY = 0.3  # +-30%: the achievable fraction's spread
+HOST_BYTES_PER_S = 5e9  # assumed: a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step)
+# Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
+_NOT_COMPUTE = ("offload", "zero")
+
+
+def _compute_plan(plan: Plan) -> str:
+    """The tokens that change the kernels of a step (qlora runs as lora: its 4-bit kernels cannot run on fake
+    tensors; a paged optimizer as the unpaged one)."""
+    keep = [t.replace("qlora", "lora", 1).replace("paged-", "", 1) for t in plan.tokens
+            if t.partition(":")[0] not in _NOT_COMPUTE and t not in ("attention:efficient", "attention:flash")]
+    return "+".join(keep) or "baseline"
+
+
+class _Traffic(TorchDispatchMode):
+    """Counts what the FLOP counter leaves out: every kernel launched (``ops``) and the bytes the kernels that
+    are not matmuls read and write (``bytes``: elementwise, norms, softmax, the optimizer's update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes, self.attention_flops = 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func in _FREE:
+            return out
+        self.ops += 1
+        if func.overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu:  # the counter has no CPU formula
+            self.attention_flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif func.overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            self.attention_flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+        if func.overloadpacket not in _MATMULS:
+            flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in flat)
+        return out
+
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
+            _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_efficient_attention,
+            _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            _aten._scaled_dot_product_efficient_attention_backward, _aten._scaled_dot_product_flash_attention_backward}
+_FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
+
+
+@functools.lru_cache(maxsize=256)
+def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
+    """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters) of one step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
+        trainer = Trainer(_build(model_fn, seq), Plan.parse(plan), device="cpu")
+        x = torch.randint(0, 256, (batch, seq))  # (B, S) ids: only shapes matter
+        with FlopCounterMode(display=False) as counter, _Traffic() as traffic:
+            trainer.step(x, x)
+        n = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return int(counter.get_total_flops()) + traffic.attention_flops, traffic.ops, traffic.bytes, n
+
+
+def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, params: int | None = None,
+                notes: list[str] | None = None) -> dict[str, Any]:
+    """What one optimizer step runs, counted on fake tensors: ``flops`` (forward, backward, recomputation),
+    ``kernels`` launched and ``kernel_bytes`` the non-matmul kernels move; cached per model, shape and the
+    plan's compute tokens. An optimizer that cannot run on fake tensors (bitsandbytes) is counted as SGD plus
+    its state read and written once (``state_bytes``); where the step cannot run at all, 6 x ``params`` x
+    tokens FLOPs (Kaplan et al. 2020). Both are said in ``notes``."""
+    plan = Plan.parse(plan)
+    compute = _compute_plan(plan)
+    try:
+        f, ops, nbytes, _ = _flops(model_fn, compute, batch, seq)
+        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": 0}
+    except Exception as err:  # noqa: BLE001  (a kernel the fake tensors cannot run)
+        why = type(err).__name__
+    try:
+        sgd = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
+                          for t in Plan.parse(compute).tokens] + ([] if plan.optimizer_token in compute else ["sgd"]))
+        f, ops, nbytes, n = _flops(model_fn, str(sgd), batch, seq)
+        state = int(2 * n * state_bytes_per_param(plan.optimizer_token))
+        if notes is not None:
+            notes.append(f"step time: {plan.optimizer_token} counted as SGD plus its state read and written ({why})")
+        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state}
+    except Exception as err:  # noqa: BLE001
+        if params is None:
+            raise
+        if notes is not None:
+            notes.append(f"step time: FLOPs from 6 x parameters x tokens ({type(err).__name__} under the counter)")
+        return {"flops": 6 * params * batch * seq, "kernels": 0, "kernel_bytes": 0, "state_bytes": 0}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_throughput() -> dict[str, Any]:
+    """This CPU's figures, measured once with :func:`colabkit.timing.time_fn` (process time: robust to other
+    processes on a shared machine): matmul FLOP/s (256^3 fp32), and the cost of one small kernel (an add of
+    64 floats: PyTorch's dispatch, what a GPU's kernel launch is). Bandwidth: :func:`cpu_bandwidth`."""
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm = time_fn(lambda: [a @ b for _ in range(8)], warmup=1, repeats=5).median / 8
+    x, y = torch.randn(64), torch.randn(64)
+    launch = time_fn(lambda: [torch.add(x, y) for _ in range(200)], warmup=1, repeats=5).median / 200
+    return {"fp32": 2 * n**3 / mm, "fp16": None, "bf16": None, "launch_s": launch, "pcie": None, "disk": None,
+            "source": f"measured on this CPU: {n}x{n} fp32 matmul, 64-float add, copies the size of the step's kernels"}
+
+
+@functools.lru_cache(maxsize=32)
+def cpu_bandwidth(nbytes: int) -> float:
+    """Bytes/s of a copy of ``nbytes`` on this CPU (read + write): a CPU's bandwidth depends on which cache
+    holds the data, so it is measured at the size of the step's average kernel (a power of two)."""
+    src = torch.randn(max(1024, nbytes // 4))
+    dst = torch.empty_like(src)
+    reps = max(1, (64 << 20) // src.nbytes)
+    t = time_fn(lambda: [dst.copy_(src) for _ in range(reps)], warmup=1, repeats=5).median / reps
+    return 2 * src.nbytes / t
+
+
+def throughput(gpu: str | None, calibrated: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+    """(figures, achievable fractions) for a GPU profile key, or the measured CPU (``gpu=None``);
+    a calibrated profile's ``speed`` entries replace the datasheet's (measured: fraction 1)."""
+    if gpu is None:
+        return cpu_throughput(), {"fp32": 1.0}
+    figs, frac = dict(THROUGHPUT[gpu]), dict(ACHIEVABLE)
+    figs.setdefault("launch_s", LAUNCH_S)
+    measured = (calibrated or {}).get("speed") or {}
+    for k, v in measured.items():
+        figs[k] = v
+        frac[k] = 1.0
+    if measured:
+        figs["source"] = f"calibrated on this GPU ({', '.join(sorted(measured))}); datasheet for the rest"
+    return figs, frac
+
+
+LAUNCH_S = 5e-6  # a CUDA kernel launch from eager PyTorch, ~5 us (assumed; NVIDIA quotes 2-10 us)
+
+
+def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
+              calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Seconds per optimizer step of an estimate ``r`` whose step runs ``counts`` (:func:`count_flops`), as
+    a sum of terms: matmul FLOPs over the achievable peak, the other kernels' bytes over the memory
+    bandwidth, kernel launches, and (on a GPU) PCIe and disk traffic of the offload tokens.
+
+    >>> r = {"plan": "baseline", "trainable_params": 10**9, "host_bytes": 0, "disk_bytes": 0, "batch": 8, "seq": 1024}
+    >>> s = step_time(r, {"flops": 6 * 10**9 * 8 * 1024, "kernels": 0, "kernel_bytes": 0}, "t4")
+    >>> round(s["terms"]["compute"], 1), s["tokens_per_s"] > 0
+    (10.1, True)
+    """
+    plan = Plan.parse(r["plan"])
+    figs, frac = throughput(gpu, calibrated)
+    if gpu is None and counts["kernels"]:  # the CPU's bandwidth where the step's average kernel's data sits
+        figs["mem_bw"] = cpu_bandwidth(1 << max(12, (counts["kernel_bytes"] // counts["kernels"] // 2).bit_length()))
+    elif gpu is None:
+        figs["mem_bw"] = cpu_bandwidth(64 << 20)
+    dtype = next((d for d in ("fp16", "bf16") if d in plan and figs.get(d)), "fp32")
+    n = r["trainable_params"]
+    try:
+        state = state_bytes_per_param(plan.optimizer_token)
+    except ValueError:
+        state = 8.0
+    terms = {"compute": counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0)),
+             "memory": (counts["kernel_bytes"] + counts.get("state_bytes", 0)) / figs["mem_bw"],
+             "launches": counts["kernels"] * figs["launch_s"]}
+    offload = set(plan.get("offload") or ())
+    if offload and gpu is not None:  # PCIe: each offloaded byte goes down and comes back once per step
+        moved = (8 * n if "optimizer" in offload else 0) + 2 * r["host_bytes"] * len(offload - {"optimizer"}) / len(offload)
+        terms["pcie"] = moved / figs["pcie"]
+        if "optimizer" in offload:  # the host steps AdamW: weights, gradient and state read, weights and state written
+            terms["host_update"] = n * (8 + 4 + 2 * state) / HOST_BYTES_PER_S
+    if r.get("disk_bytes") and gpu is not None:  # offload:disk: the state file read and written once per step
+        terms["disk"] = 2 * r["disk_bytes"] / figs["disk"]
+    total = sum(terms.values())
+    tokens = r["batch"] * r["seq"] * r.get("world_size", 1)
+    unc = UNCERTAINTY if gpu is not None else 0.25
+    return {"step_time_s": total, "tokens_per_s": tokens / total if total else 0.0, "uncertainty": unc,
+            "terms": terms, "dtype": dtype, "source": figs["source"]}
+
+
+COUNT_KEYS = ("flops", "kernels", "kernel_bytes", "state_bytes")
+
+
+def speed_of(r: dict[str, Any], counts: dict[str, Any], profile: dict[str, Any] | None,
+             calibration: dict[str, Any] | bool = True) -> dict[str, Any]:
+    """The keys :func:`~colabkit.estimate.predict.estimate` adds: ``step_time_s``, ``tokens_per_s``, the
+    ``counts`` (``flops``, ``kernels``, ...) and ``step_time`` (terms, uncertainty, source), for an estimate
+    ``r`` on a GPU ``profile`` or the CPU."""
+    from . import overheads
+
+    key = profile["key"] if profile is not None else None
+    calibrated = (overheads.load_profile(key) if calibration is True else calibration or None) if key else None
+    s = step_time(r, counts, key, calibrated)
+    if r.get("world_size", 1) > 1:
+        s["note"] = "per rank, communication not included (the ZeRO paper's 2-3x parameters per step)"
+    return {"step_time_s": s["step_time_s"], "tokens_per_s": s["tokens_per_s"], "step_time": s,
+            **{k: counts.get(k, 0) for k in COUNT_KEYS}}
+
+
+def predict_step_time(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, gpu: str | None = None) -> dict:
+    """The step time alone (no memory trace): what :func:`~colabkit.estimate.predict.estimate` reports as
+    ``step_time``, for a run on ``gpu`` (a profile key) or this CPU.
+
+    >>> predict_step_time("gpt-tiny", "baseline", 2, 16)["step_time_s"] > 0
+    True
+    """
+    plan = Plan.parse(plan)
+    counts = count_flops(model_fn, plan, batch, seq)
+    n = _flops(model_fn, _compute_plan(plan), batch, seq)[3] if not counts["state_bytes"] else 0
+    r = {"plan": str(plan), "trainable_params": n, "host_bytes": 0, "disk_bytes": 0, "batch": batch, "seq": seq}
+    return step_time(r, counts, gpu)

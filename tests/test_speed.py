@@ -1,0 +1,48 @@
+"""Predicted step time (colabkit.estimate.speed) against measured CPU steps: FLOPs and kernel bytes counted
+on fake tensors over this CPU's measured matmul rate, copy bandwidth and dispatch cost, against real Trainer
+steps timed untracked and interleaved (colabkit.timing). Plans whose times differ clearly (>= 25%)."""
+from __future__ import annotations
+
+import torch
+
+from colabkit import build_model, estimate
+from colabkit.estimate.speed import count_flops, predict_step_time
+from colabkit.timing import interleaved
+from colabkit.trainer import Trainer
+
+MODEL, B, S = "gpt:4x256", 2, 64
+PLANS = ["lora:8", "baseline", "checkpoint"]  # frozen base: no weight gradients (~2/3); recompute (~4/3)
+
+
+def _runner(plan):
+    torch.manual_seed(0)
+    trainer = Trainer(build_model(MODEL, seq=S), plan, device="cpu")
+    x = torch.randint(0, 256, (B, S))
+    return lambda: trainer.step(x, x)
+
+
+def test_predicted_step_times_rank_and_ratio_like_measured_ones():
+    pred = {p: predict_step_time(MODEL, p, B, S)["step_time_s"] for p in PLANS}
+    meas = interleaved({p: _runner(p) for p in PLANS}, warmup=1, repeats=5)
+    assert sorted(PLANS, key=pred.get) == sorted(PLANS, key=lambda p: meas[p].median) == PLANS
+    for p in PLANS:
+        r_pred, r_meas = pred[p] / pred["baseline"], meas[p].median / meas["baseline"].median
+        assert abs(r_pred / r_meas - 1) <= 0.25, (p, r_pred, r_meas)
+
+
+def test_flops_follow_the_textbook_count():
+    # 6 x (matmul) parameters x tokens for a step (Kaplan et al. 2020: embeddings are lookups, not matmuls);
+    # attention: torch's SDPA formulas, 2 matmuls of 2*S*S*D forward and 5 in backward (scores recomputed)
+    model = build_model(MODEL)
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    L, D = model.config.n_layer, model.config.n_embd
+    f = count_flops(MODEL, "baseline", B, S)["flops"]
+    assert f == 6 * n * B * S + 14 * L * B * S * S * D
+    assert count_flops(MODEL, "adamw8bit", B, S)["flops"] == f  # the optimizer changes no matmul
+
+
+def test_estimate_reports_step_time_with_its_source():
+    r = estimate("gpt:2x768", "fp16+checkpoint+offload:optimizer", batch=1, seq=256, gpu="t4")
+    s = r["step_time"]  # offload:optimizer: 8 B/param over PCIe each step outweighs the fp16 matmuls
+    assert r["step_time_s"] == sum(s["terms"].values()) and r["tokens_per_s"] == 256 / r["step_time_s"]
+    assert s["terms"]["pcie"] > s["terms"]["compute"] and "PCIe 3.0" in s["source"] and s["uncertainty"] > 0
