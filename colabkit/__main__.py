@@ -230,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _, run, printer, _ = _COMMANDS[args.command]
     from .plan import PlanError
+    from .distributed import torchrun_world
     from .train import check_device
+
+    torchrun_rank = int(os.environ["RANK"]) if torchrun_world() else 0  # one rank of a torchrun launch
 
     # with --json - stdout carries the JSON only: progress and messages go to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext()
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PlanError, ValueError, ImportError, OSError) as e:  # a user mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if isinstance(result, dict) and result.get("rank", 0) != 0:
+    if torchrun_rank != 0:
         return 0  # a torchrun rank other than 0: rank 0 prints the run's result
     emit(result, args.json, printer)
     if isinstance(result, dict) and (result.get("ok") is False

@@ -4,6 +4,8 @@ checkpoint's own dtype), and a 4-bit hub model goes whole onto the one device th
 there are two GPUs (Kaggle's 2xT4), instead of ``device_map="auto"`` splitting it over both."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -21,8 +23,9 @@ def _fake_from_pretrained(monkeypatch, tf):
 def test_hub_model_is_loaded_in_fp32_with_the_installed_keyword(monkeypatch, version, keyword):
     from colabkit import models
 
-    seen = _fake_from_pretrained(monkeypatch, transformers)
-    monkeypatch.setattr(transformers, "__version__", version)
+    tf = importlib.import_module("transformers")  # the module colabkit imports now (not this file's import-time one)
+    seen = _fake_from_pretrained(monkeypatch, tf)
+    monkeypatch.setattr(tf, "__version__", version)
     monkeypatch.setattr(models, "hub_unreachable", lambda *a, **k: None)  # "online": the hub path is taken
     models.build_model("hf:some/model")
     # before the fix: no keyword at all (transformers 5.x then loads bf16 weights for a bf16 checkpoint)
