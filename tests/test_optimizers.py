@@ -159,7 +159,10 @@ def test_missing_bitsandbytes_is_a_clear_plan_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
     with pytest.raises(PlanError, match="pip install bitsandbytes"):
-        Plan.parse("adamw8bit").check(Context(device=torch.device("cpu")))
+        Plan.parse("lion8bit").check(Context(device=torch.device("cpu")))
+    with pytest.raises(PlanError, match="pip install bitsandbytes"):  # on CUDA adamw8bit is bitsandbytes' kernel
+        Plan.parse("adamw8bit").check(Context(device=torch.device("cuda")))
+    Plan.parse("adamw8bit").check(Context(device=torch.device("cpu")))  # elsewhere colabkit's AdamW8bit: torch only
 
 
 @pytest.mark.parametrize("tok", ["adamw", "adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "sgd:0.9"])
