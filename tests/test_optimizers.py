@@ -10,7 +10,7 @@ import torch
 from colabkit.memory import MemoryTracker
 from colabkit.plan import Context, Plan, PlanError
 from colabkit.techniques.optimizers import (
-    AdamW4bit, dequantize_signed4, dequantize_sqrt4, make_optimizer, optimizer_state_bytes, quantize_signed4,
+    AdamW4bit, AdamW8bit, dequantize_signed4, dequantize_sqrt4, make_optimizer, optimizer_state_bytes, quantize_signed4,
     quantize_sqrt4,
 )
 from colabkit.train import measure
@@ -117,7 +117,8 @@ def _roundtrip(make):
 
 
 @pytest.mark.parametrize("make", [lambda p: AdamW4bit(p, **KW), lambda p: bnb.optim.AdamW8bit(p, **KW),
-                                  lambda p: bnb.optim.Lion8bit(p, **KW)], ids=["adamw4bit", "adamw8bit", "lion8bit"])
+                                  lambda p: AdamW8bit(p, **KW), lambda p: bnb.optim.Lion8bit(p, **KW)],
+                         ids=["adamw4bit", "bnb-adamw8bit", "colabkit-adamw8bit", "lion8bit"])
 def test_state_dict_roundtrip_is_exact(make):
     p, opt, q, opt2 = _roundtrip(make)
     s1, s2 = opt.state[p], opt2.state[q]
