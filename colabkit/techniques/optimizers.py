@@ -23,6 +23,7 @@ import math
 from typing import Any, Iterable
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from ..plan import Context, Plan, PlanError, Technique, register
 
@@ -218,7 +219,7 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
         """One AdamW update of (a slice of) a parameter from fp32 moments m, v, in place: torch's fused
         kernel where it runs (same dtype everywhere, a device torch has it for), else the same math."""
         b1, b2 = group["betas"]
-        if p.dtype == g.dtype == m.dtype and p.device.type in _fused_devices():
+        if p.dtype == g.dtype == m.dtype and p.device.type in _FUSED_DEVICES:
             torch._fused_adamw_([p], [g], [m], [v], [], [step.to(p.device)], lr=group["lr"], beta1=b1, beta2=b2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
             return
@@ -271,25 +272,31 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
         """Chunks of CHUNK values (whole blocks): dequantize, fused update, quantize back in place."""
         first = st["step"].item() == 1
         flat_p, grad, n = p.data.view(-1), p.grad.reshape(-1), p.numel()
+        mc, vc, ma_all, va_all = (st[k] for k in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
+                                                   "exp_avg_sq_absmax"))
+        views: dict[int, tuple[torch.Tensor, ...]] = {}  # kp -> buffers as (nb, bs): made once, not per chunk
         for c0 in range(0, n, self.CHUNK):
             c1 = min(n, c0 + self.CHUNK)
             k = c1 - c0
             nb = -(-k // bs)
             kp, b0 = nb * bs, c0 // bs
-            m, v, u = mbuf[:kp].view(nb, bs), vbuf[:kp].view(nb, bs), ubuf[:kp].view(nb, bs)
-            ma, va = st["exp_avg_absmax"][b0:b0 + nb], st["exp_avg_sq_absmax"][b0:b0 + nb]
+            if kp not in views:
+                views[kp] = (mbuf[:kp].view(nb, bs), vbuf[:kp].view(nb, bs), ubuf[:kp].view(nb, bs),
+                             mbuf[:k], vbuf[:k])
+            m, v, u, m_flat, v_flat = views[kp]
+            ma, va = ma_all[b0:b0 + nb], va_all[b0:b0 + nb]
             if first:
                 m.zero_()
                 v.zero_()
             else:
-                self._m_in(st["exp_avg_codes"], ma, c0, k, kp, u, m)
-                _sqrt_values(self._codes_in(st["exp_avg_sq_codes"], c0, k, kp, u), va, self.SQRT_LEVELS, v)
+                self._m_in(mc, ma, c0, k, kp, u, m)
+                _sqrt_values(self._codes_in(vc, c0, k, kp, u), va, self.SQRT_LEVELS, v)
                 if kp > k:  # the padding of the last block: zeros, as when it was quantized
-                    m.view(-1)[k:].zero_()
-                    v.view(-1)[k:].zero_()
-            self._update(flat_p[c0:c1], grad[c0:c1], m.view(-1)[:k], v.view(-1)[:k], st["step"], group)
-            self._m_out(m, ma, st["exp_avg_codes"], c0, k, kp, u)
-            self._codes_out(_sqrt_codes(v, self.SQRT_LEVELS, va), st["exp_avg_sq_codes"], c0, k, kp, u)
+                    mbuf[k:kp].zero_()
+                    vbuf[k:kp].zero_()
+            self._update(flat_p[c0:c1], grad[c0:c1], m_flat, v_flat, st["step"], group)
+            self._m_out(m, ma, mc, c0, k, kp, u)
+            self._codes_out(_sqrt_codes(v, self.SQRT_LEVELS, va), vc, c0, k, kp, u)
 
     def _m_in(self, codes: torch.Tensor, absmax: torch.Tensor, c0: int, k: int, kp: int, u: torch.Tensor,
               out: torch.Tensor) -> None:
@@ -311,10 +318,7 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
         _pack(u, out=codes[c0 // 2:(c0 + kp) // 2].view(u.shape[0], -1))
 
 
-def _fused_devices() -> list[str]:
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return _get_fused_kernels_supported_devices()
+_FUSED_DEVICES = frozenset(_get_fused_kernels_supported_devices())  # where torch has _fused_adamw_
 
 
 class AdamW4bit(_BlockwiseAdamW):
