@@ -63,5 +63,6 @@ from .estimate.zero import comm_elements  # noqa: E402
 from .resilience import describe_resume, kill_and_resume  # noqa: E402
 from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_saving, relative_error, scaling,  # noqa: E402
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
+from .techniques.optimizers import AdamW8bit  # noqa: E402
 
 __version__ = "0.1.0"
