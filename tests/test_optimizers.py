@@ -323,3 +323,42 @@ def test_tracker_counts_paged_state_on_the_device():
     assert MemoryTracker(device="cpu").watch(optimizer=opt).current()["optimizer"] == plain.numel()
     paged.page_deviceid = 1
     assert MemoryTracker(device="cuda:0").watch(optimizer=opt).current()["optimizer"] == 0  # another GPU's pages
+
+
+def _step_peak(cls, fake, chunk=None):
+    """Peak bytes (and 'other': the step's temporaries) of two steps of ``cls`` on real or fake tensors."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colabkit.estimate.trace import _HostScalars
+
+    ctx = contextlib.ExitStack()
+    if fake:
+        ctx.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        ctx.enter_context(_HostScalars())
+    with ctx:
+        ps = [torch.nn.Parameter(torch.randn(700_001)), torch.nn.Parameter(torch.randn(300, 70)),
+              torch.nn.Parameter(torch.randn(100))]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = cls(ps)
+        if chunk is not None:
+            opt.CHUNK = chunk
+        with MemoryTracker(device="cpu", alert_at=None) as mt:
+            mt.watch(optimizer=opt)
+            for _ in range(2):
+                with mt.phase("optimizer"):
+                    opt.step()
+        r = mt.report()
+    return r["peak_bytes"], r["breakdown"]["other"]
+
+
+@pytest.mark.parametrize("cls", [AdamW4bit, AdamW8bit])
+def test_fake_trace_of_one_chunk_has_the_real_steps_peak(cls):
+    """issue 25: on fake tensors (the estimator's trace) the blockwise step runs one chunk per tensor, not all
+    of them; the tracker's peak and temporaries equal those of the real step over every chunk. Control: the
+    same trace with a smaller chunk (other temporaries) is told apart."""
+    real = _step_peak(cls, fake=False)
+    assert _step_peak(cls, fake=True) == real and real[1] > 0
+    assert _step_peak(cls, fake=True, chunk=cls.CHUNK // 4) != real
