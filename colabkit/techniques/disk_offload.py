@@ -24,9 +24,9 @@ Chunks under 128 Ki elements (norms, biases) skip the IO thread: their few pages
 dropped together.
 
 >>> import tempfile
->>> m = torch.nn.Linear(8, 4)
->>> opt = DiskAdamW(m.parameters(), lr=0.1, directory=tempfile.mkdtemp(), chunk_elems=16)
->>> m(torch.ones(2, 8)).sum().backward(); opt.step()
+>>> m = torch.nn.Linear(16, 8)
+>>> opt = DiskAdamW(m.parameters(), lr=0.1, directory=tempfile.mkdtemp(), chunk_elems=64)
+>>> m(torch.ones(2, 16)).sum().backward(); opt.step()
 >>> opt.file_bytes == 8 * sum(p.numel() for p in m.parameters()), opt.n_chunks
 (True, 3)
 >>> opt.close()
@@ -53,6 +53,7 @@ from .optimizers import state_bytes_per_param
 
 PAGE = mmap.PAGESIZE
 CHUNK_ELEMS = 1 << 20  # 1 Mi elements: 8 MiB of state per chunk (two fp32 moments)
+LANES = 64  # chunk lengths are rounded up to a multiple of this (any CPU's SIMD width, in floats)
 SMALL_ELEMS = 1 << 17  # chunks under 128 Ki elements (1 MiB of state) skip the prefetch thread
 # Linux >= 5.14: populate the page tables of a range, writable, in one call (Python's mmap module
 # names it from 3.13 on); elsewhere the pages are faulted in on first touch.
@@ -93,7 +94,8 @@ class DiskAdamW(torch.optim.Optimizer):
     """AdamW whose moments live in a memory-mapped file; see the module docstring.
 
     ``chunks`` lists ``(param, start, stop, file_offset)``: flat element ranges of each parameter,
-    at most ``chunk_elems`` long, each starting on a page boundary of the file (exp_avg, then exp_avg_sq).
+    at most ``chunk_elems`` long (rounded up to a multiple of ``LANES``), each starting on a page boundary
+    of the file (exp_avg, then exp_avg_sq).
     ``pair``: the :class:`DevicePair` of the staged path (made for GPU parameters; pass
     ``DevicePair("cpu")`` to run that path on a CPU against the CUDA twin).
     """
@@ -107,6 +109,9 @@ class DiskAdamW(torch.optim.Optimizer):
         self.prefetch = prefetch
         self.chunks: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
+        # whole multiples of LANES: the fused kernel's vector lanes then cover the same elements as for the
+        # whole tensor (its scalar tail only at the tensor's end), so the result is bitwise torch's
+        chunk_elems = -(-chunk_elems // LANES) * LANES
         for p in (p for g in self.param_groups for p in g["params"]):
             for a in range(0, p.numel(), chunk_elems):
                 b = min(p.numel(), a + chunk_elems)
