@@ -159,10 +159,13 @@ def optimizer_rows(cfg: dict) -> list[dict]:
                 continue
             opt.step()  # state allocated (and kernels warm) before anything is timed
             opts[n], bytes_[n] = opt.step, state_bytes(opt)
+            if n == token:  # which implementation the token runs on this device
+                impl = f"{type(opt).__module__.split('.')[0]} {type(opt).__name__}" + (
+                    " (fused)" if getattr(opt, "defaults", {}).get("fused") else "")
             refs.append((opt, model))
         t = interleaved(opts, warmup=cfg["warmup"], repeats=cfg["repeats"])
         n_params = count_params(refs[0][1], trainable_only=True)
-        rows.append({"kind": "optimizer", "what": token, "params": n_params, "peer": main_peer,
+        rows.append({"kind": "optimizer", "what": token, "implementation": impl, "params": n_params, "peer": main_peer,
                      "timings": {n: _timing(x) for n, x in t.items()},
                      "state_bytes": bytes_, "skipped": skipped,
                      "ratios": {n: ratio(t, token, n) for n in t if n != token}})
@@ -303,7 +306,7 @@ def markdown(data: dict) -> str:
         ours = r["what"] if r["kind"] == "optimizer" else ("offload:disk" if r["kind"] == "disk" else
                                                            "tracked" if r["kind"] == "tracker" else "colabkit.estimate")
         label = (f"`{r['what']}` step, {r['params'] / 1e6:.1f}M params" if r["kind"] in ("optimizer", "disk")
-                 else r["what"])
+                 else r["what"]) + (f" ({r['implementation']} here)" if r.get("implementation") else "")
         first = True
         for peer, rat in r["ratios"].items():
             sb = ""
