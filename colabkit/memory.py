@@ -63,8 +63,14 @@ def fmt_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # no wrapper subclass: one storage, found without a stack
+
+
 def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The real storages behind a tensor, looking inside wrapper subclasses (e.g. torchao 4-bit state)."""
+    if type(t) in _PLAIN:
+        yield t.untyped_storage()
+        return
     stack = [t]
     while stack:
         obj = stack.pop()
@@ -187,7 +193,7 @@ class CudaStats:
             return None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Info:
     nbytes: int
     phase: str
@@ -205,7 +211,9 @@ class _Info:
 
 
 class _Mode(TorchDispatchMode):
-    """Sees every op; hands new storages of the tracked device to the tracker."""
+    """Sees every op; hands new storages of the tracked device to the tracker. The hot path (an op whose
+    outputs are storages the tracker knows: views, in-place ops) allocates nothing in Python: one dict
+    lookup per output tensor, keyed by the storage's id."""
 
     def __init__(self, tracker: "MemoryTracker"):
         super().__init__()
@@ -214,16 +222,25 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tr = self.tracker
+        if type(out) in _PLAIN:  # most ops: one plain tensor
+            st = out.untyped_storage()
+            if id(st) in tr._ids:
+                return out
+            outs = (out,)
+        elif isinstance(out, (tuple, list)) and all(type(o) in _PLAIN or o is None for o in out):
+            outs = out
+        else:
+            outs = tree_flatten(out)[0]
         inputs = None
         host = getattr(_HOST_SCOPE, "on", False)
-        for t in tree_flatten(out)[0]:
+        ids = tr._ids
+        for t in outs:
             if isinstance(t, torch.Tensor) and (tr._on_device(t) or (host and t.device.type == "cpu")):
                 for st in _storages(t):
-                    if id(st) in tr._ids:
+                    if id(st) in ids:
                         continue
                     if inputs is None:  # views and in-place results share an input's storage
-                        inputs = {id(s) for a in tree_flatten((args, kwargs))[0]
-                                  if isinstance(a, torch.Tensor) for s in _storages(a)}
+                        inputs = {id(s) for a in _tensors_of(args, kwargs) for s in _storages(a)}
                     if id(st) not in inputs:
                         if host:
                             _HOST.add(st)
@@ -231,10 +248,28 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-def _free_weak(tracker_ref: "weakref.ref[MemoryTracker]", key: int, sid: int) -> None:
-    tracker = tracker_ref()
-    if tracker is not None:
-        tracker._free(key, sid)
+def _tensors_of(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (flat, or in a list: aten ops nest no deeper)."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+                elif isinstance(b, (tuple, list, dict)):  # not an aten schema; be safe
+                    yield from (x for x in tree_flatten(b)[0] if isinstance(x, torch.Tensor))
+
+
+def _dead_callback(tracker_ref: "weakref.ref[MemoryTracker]") -> Callable[[Any], None]:
+    """The callback of the weak references to tracked storages: the storage ``ref`` pointed to is freed."""
+    def dead(ref: Any) -> None:
+        tracker = tracker_ref()
+        if tracker is not None:
+            entry = tracker._refs.pop(id(ref), None)
+            if entry is not None:
+                tracker._free(entry[1], entry[2])
+    return dead
 
 
 class MemoryTracker:
@@ -286,6 +321,8 @@ class MemoryTracker:
         self.alerts: list[str] = []
         self._lock = threading.RLock()
         self._ids: dict[int, int] = {}  # id(live storage) -> uid
+        self._refs: dict[int, tuple[Any, int, int]] = {}  # id(weak ref to a storage) -> (ref, uid, id(storage))
+        self._dead = _dead_callback(weakref.ref(self))
         self._infos: dict[int, _Info] = {}  # uid -> info (live, and dead ones not yet folded)
         self._uid = 0
         self._events: list[tuple[int, int]] = []  # (uid, +/- bytes) since the last fold
@@ -405,7 +442,7 @@ class MemoryTracker:
         n = -(-st.nbytes() // self.alloc_round) * self.alloc_round  # alloc_round: e.g. CUDA's 512 B blocks
         if n == 0:
             return
-        host = st in _HOST
+        host = bool(_HOST) and st in _HOST  # (a WeakSet lookup makes a weak reference: skip it when empty)
         with self._lock:
             self._uid += 1
             key = self._uid
@@ -419,9 +456,11 @@ class MemoryTracker:
             if self._total > self._phase_max:
                 self._phase_max = self._total
             over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
-        # a weak reference: a strong one (self._free) would keep the tracker -- and through it the model
-        # and optimizer it watches -- alive for as long as any tracked storage lives, i.e. forever
-        weakref.finalize(st, _free_weak, weakref.ref(self), key, id(st))
+        # a weak reference to the storage, owned by the tracker, whose callback reaches the tracker weakly:
+        # a strong one (self._free) would keep the tracker -- and through it the model and optimizer it
+        # watches -- alive for as long as any tracked storage lives, i.e. forever
+        ref = weakref.ref(st, self._dead)
+        self._refs[id(ref)] = (ref, key, id(st))
         if over and not self.alerts:
             self._alert()
 
@@ -449,19 +488,21 @@ class MemoryTracker:
                 self._host_total += info.nbytes
 
     def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        host_any = bool(_HOST)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
-            dev = self._on_device(t)
             for st in _storages(t):
                 uid = self._ids.get(id(st))
                 info = self._infos.get(uid) if uid is not None else None
                 if info is None:
-                    if dev or st in _HOST:  # host-side storages count on any device (pinned on CUDA)
+                    # host-side storages count on any device (pinned on CUDA)
+                    if self._on_device(t) or (host_any and st in _HOST):
                         self._add(st, "pre-existing", kind)
-                elif not info.host and st in _HOST:  # tagged host side after it was made
+                    continue
+                if host_any and not info.host and st in _HOST:  # tagged host side after it was made
                     self._to_host(info)
-                if info is not None and (info.kind is None or (kind == "params" and info.kind != "params")):
+                if info.kind is None or (kind == "params" and info.kind != "params"):
                     info.kind = kind
 
     def _adopt_model(self, model: torch.nn.Module) -> None:

@@ -230,16 +230,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def _adamw(groups: list[dict], plan: "Plan", ctx: Context) -> torch.optim.Optimizer:
-    """torch AdamW; on CUDA ``fused=True``: one kernel updates each tensor in place, where torch's CUDA
-    default (``foreach``) allocates a copy of every ``exp_avg_sq`` at the step's peak (+4 B/param; see
-    colabkit/estimate/overheads.py). Elsewhere torch's default (single-tensor on the CPU)."""
-    on_cuda = ctx.cuda and all(p.is_cuda and p.is_floating_point() for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=ctx.lr, fused=True if on_cuda else None)
+    """torch AdamW with ``fused=True`` wherever torch has the fused kernel for the parameters' device
+    (CUDA, and the CPU since torch 2.4): one kernel updates each tensor in place, ~4.5x faster than
+    the single-tensor loop on a CPU (30M parameters, benchmarks/peers.py), and without the copy of
+    every ``exp_avg_sq`` that torch's CUDA default (``foreach``) makes at the step's peak (+4 B/param;
+    see colabkit/estimate/overheads.py). Elsewhere torch's default."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    ps = [p for g in groups for p in g["params"]]
+    fused = bool(ps) and all(p.is_floating_point() and p.device.type in _get_fused_kernels_supported_devices()
+                             for p in ps)
+    return torch.optim.AdamW(groups, lr=ctx.lr, fused=True if fused else None)
 
 
 register(Technique(
     name="adamw",
-    help="torch AdamW, fp32 state: 8 bytes per parameter (the baseline optimizer; fused kernel on CUDA)",
+    help="torch AdamW, fp32 state: 8 bytes per parameter (the baseline optimizer; torch's fused kernel)",
     group="optimizer",
     make_optimizer=_adamw,
     order=40,

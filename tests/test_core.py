@@ -154,14 +154,16 @@ def test_cli_train_contract(tmp_path):
 def test_benchmark_script_cpu_smoke(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--device", "cpu", "--model",
-                           "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "1", "--plan", "baseline",
+                           "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--plan", "baseline",
                            "--plan", "checkpoint", "--plan", "offload:optimizer", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     base, ck, off = data["results"]
     assert base["ok"] and ck["ok"] and not off["ok"] and "nothing to offload" in off["error"]
-    assert abs(base["estimate_error"]) < 0.05  # the estimator traced the same step
+    # the estimator traces two steps (the second one's backward holds the optimizer state): so does the run; with
+    # one step and fused AdamW (no step temporaries) the run's peak is the first step's, ~6% lower here
+    assert abs(base["estimate_error"]) < 0.05
     assert "| `checkpoint` |" in (tmp_path / "r.md").read_text()
 
 

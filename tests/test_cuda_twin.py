@@ -188,7 +188,7 @@ def check_disk_staged(tmp="."):
         return [p.detach().clone() for p in m.parameters()]
 
     with tempfile.TemporaryDirectory() as d:
-        ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+        ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))  # DiskAdamW runs the fused kernel
         got = run(lambda ps: disk.DiskAdamW(ps, lr=1e-2, directory=d, chunk_elems=500, pair=off.DevicePair("cpu")))
     return all(torch.equal(a, b) for a, b in zip(ref, got))
 

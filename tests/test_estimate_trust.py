@@ -58,8 +58,12 @@ def test_depth_extrapolation_matches_full_traces(plan):
                   for d in (1, 2))
         old_errors.append(abs(r1["peak_bytes"] + (r2["peak_bytes"] - r1["peak_bytes"]) * (L - 1) - full["peak_bytes"])
                           / full["peak_bytes"])
-    if plan == "baseline":   # negative control: here the peak moves from the optimizer step to backward
-        assert max(old_errors) > 0.01
+    if plan == "baseline":
+        # This was the negative control: with torch's single-tensor AdamW the step's temporaries (2x the largest
+        # parameter) put small depths' peak in the optimizer step and deep ones' in backward, so the 2-depth
+        # extrapolation missed by > 1%. Since issue 25 the adamw token is torch's fused kernel on the CPU too:
+        # no step temporaries, the peak stays in backward at every depth and the old way is exact here.
+        assert max(old_errors) < 1e-3, old_errors
 
 
 def test_largest_agrees_with_a_full_trace_of_its_answer():

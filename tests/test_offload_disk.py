@@ -37,20 +37,20 @@ def _run(model, opt, steps=30):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_weights_equal_torch_adamw(tmp_path, prefetch):
     ref_model, model = _mlp(), _mlp()
-    ref = _run(ref_model, torch.optim.AdamW(_groups(ref_model), lr=1e-2, foreach=False))
+    ref = _run(ref_model, torch.optim.AdamW(_groups(ref_model), lr=1e-2, fused=True))
     opt = DiskAdamW(_groups(model), lr=1e-2, directory=str(tmp_path), chunk_elems=1000, prefetch=prefetch)
     assert opt.n_chunks > len(list(model.parameters()))         # tensors really split across chunks
     got = _run(model, opt)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(ref, got))
     # negative control: a different beta2 in the reference is caught by the same comparison
     bad_model = _mlp()
-    bad = _run(bad_model, torch.optim.AdamW(_groups(bad_model), lr=1e-2, betas=(0.9, 0.99), foreach=False))
+    bad = _run(bad_model, torch.optim.AdamW(_groups(bad_model), lr=1e-2, betas=(0.9, 0.99), fused=True))
     assert not all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(bad, got))
 
 
 def test_state_dict_matches_torch_and_resumes_exactly(tmp_path):
     ref_model, model = _mlp(), _mlp()
-    ref_opt = torch.optim.AdamW(_groups(ref_model), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(_groups(ref_model), lr=1e-2, fused=True)
     _run(ref_model, ref_opt, steps=5)
     opt = DiskAdamW(_groups(model), lr=1e-2, directory=str(tmp_path), chunk_elems=999)
     _run(model, opt, steps=5)
@@ -144,7 +144,7 @@ def test_a_parameter_without_grad_is_skipped_like_torch_adamw(tmp_path):
         return [p.detach().clone() for p in model.parameters()]
 
     ref_model, model, neg_model = _mlp(), _mlp(), _mlp()
-    ref_opt = torch.optim.AdamW(_groups(ref_model), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(_groups(ref_model), lr=1e-2, fused=True)
     ref = run(ref_model, ref_opt)
     opt = DiskAdamW(_groups(model), lr=1e-2, directory=str(tmp_path), chunk_elems=1000)
     got = run(model, opt)
@@ -257,7 +257,7 @@ def test_gpu_path_never_blocks_the_main_thread_inside_a_step(tmp_path):
     from colabkit.techniques.offload import DevicePair
 
     ref_model, model = _mlp(), _mlp()
-    ref = _run(ref_model, torch.optim.AdamW(_groups(ref_model), lr=1e-2, foreach=False), steps=4)
+    ref = _run(ref_model, torch.optim.AdamW(_groups(ref_model), lr=1e-2, fused=True), steps=4)
     pair = DevicePair("cpu")
     waits = []
     for name in ("sync", "wait_host"):
@@ -280,9 +280,11 @@ def test_gpu_path_never_blocks_the_main_thread_inside_a_step(tmp_path):
 
 
 def test_cpu_step_close_to_the_in_memory_kernel(tmp_path):
-    """issue 25: offload:disk's step costs <= 1.8x torch's AdamW in memory (same single-tensor kernel), in
-    process CPU time (both threads), interleaved; 8M parameters in 8 tensors. The old copy-through-buffers
-    path measured 2.5-2.65x here (CPU, 2026-11-23), the in-place path 1.2-1.3x; 30M: see the README."""
+    """issue 25: offload:disk's step costs <= 2.2x torch's fused AdamW in memory (the same kernel), in
+    process CPU time (both threads), interleaved; 8M parameters in 8 tensors. Mapping the pages in and out
+    costs ~15 ms per 240 MB of state whatever the kernel: with the single-tensor kernel (3.7x slower) the
+    in-place path measured 1.2-1.3x (CPU, 2026-11-23), with the fused one 1.6-1.8x (2026-11-26); 30M:
+    benchmarks/results/peers-cpu.md."""
     from colabkit.timing import interleaved, ratio
 
     def params():
@@ -292,9 +294,9 @@ def test_cpu_step_close_to_the_in_memory_kernel(tmp_path):
             p.grad = torch.randn_like(p)
         return ps
 
-    mem = torch.optim.AdamW(params(), lr=1e-3, foreach=False)
+    mem = torch.optim.AdamW(params(), lr=1e-3, fused=True)
     opt = DiskAdamW(params(), lr=1e-3, directory=str(tmp_path))
     t = interleaved({"memory": mem.step, "disk": opt.step}, warmup=1, repeats=7)
     r = ratio(t, "disk", "memory")
     opt.close()
-    assert r <= 1.8, (r, str(t["disk"]), str(t["memory"]))
+    assert r <= 2.2, (r, str(t["disk"]), str(t["memory"]))

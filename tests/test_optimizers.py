@@ -10,7 +10,7 @@ import torch
 from colabkit.memory import MemoryTracker
 from colabkit.plan import Context, Plan, PlanError
 from colabkit.techniques.optimizers import (
-    AdamW4bit, dequantize_signed4, dequantize_sqrt4, make_optimizer, optimizer_state_bytes, quantize_signed4,
+    AdamW4bit, AdamW8bit, dequantize_signed4, dequantize_sqrt4, make_optimizer, optimizer_state_bytes, quantize_signed4,
     quantize_sqrt4,
 )
 from colabkit.train import measure
@@ -117,7 +117,8 @@ def _roundtrip(make):
 
 
 @pytest.mark.parametrize("make", [lambda p: AdamW4bit(p, **KW), lambda p: bnb.optim.AdamW8bit(p, **KW),
-                                  lambda p: bnb.optim.Lion8bit(p, **KW)], ids=["adamw4bit", "adamw8bit", "lion8bit"])
+                                  lambda p: AdamW8bit(p, **KW), lambda p: bnb.optim.Lion8bit(p, **KW)],
+                         ids=["adamw4bit", "bnb-adamw8bit", "colabkit-adamw8bit", "lion8bit"])
 def test_state_dict_roundtrip_is_exact(make):
     p, opt, q, opt2 = _roundtrip(make)
     s1, s2 = opt.state[p], opt2.state[q]
@@ -159,7 +160,10 @@ def test_missing_bitsandbytes_is_a_clear_plan_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
     with pytest.raises(PlanError, match="pip install bitsandbytes"):
-        Plan.parse("adamw8bit").check(Context(device=torch.device("cpu")))
+        Plan.parse("lion8bit").check(Context(device=torch.device("cpu")))
+    with pytest.raises(PlanError, match="pip install bitsandbytes"):  # on CUDA adamw8bit is bitsandbytes' kernel
+        Plan.parse("adamw8bit").check(Context(device=torch.device("cuda")))
+    Plan.parse("adamw8bit").check(Context(device=torch.device("cpu")))  # elsewhere colabkit's AdamW8bit: torch only
 
 
 @pytest.mark.parametrize("tok", ["adamw", "adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "sgd:0.9"])
@@ -321,7 +325,7 @@ def test_tracker_counts_paged_state_on_the_device():
     assert MemoryTracker(device="cuda:0").watch(optimizer=opt).current()["optimizer"] == 0  # another GPU's pages
 
 
-@pytest.mark.parametrize("tok", ["adamw8bit", "lion8bit"])
+@pytest.mark.parametrize("tok", ["lion8bit"])  # the bitsandbytes-backed 8-bit token off CUDA (adamw8bit: on CUDA)
 def test_8bit_optimizers_ignore_overrides_left_by_others(tok, monkeypatch):
     """transformers' Trainer registers its embeddings for 32-bit state on bitsandbytes' process-global
     GlobalOptimManager, which keeps them by position (group, index): every later bitsandbytes optimizer
@@ -347,3 +351,42 @@ def test_8bit_optimizers_ignore_overrides_left_by_others(tok, monkeypatch):
     theirs.step()  # the override is filed under position (0, 0), for every optimizer in the process
     assert GlobalOptimManager.get_instance().index2config == {(0, 0): {"optim_bits": 32}}
     assert first_states() == [torch.uint8, torch.uint8]
+
+
+def _step_peak(cls, fake, chunk=None):
+    """Peak bytes (and 'other': the step's temporaries) of two steps of ``cls`` on real or fake tensors."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from colabkit.estimate.trace import _HostScalars
+
+    ctx = contextlib.ExitStack()
+    if fake:
+        ctx.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        ctx.enter_context(_HostScalars())
+    with ctx:
+        ps = [torch.nn.Parameter(torch.randn(700_001)), torch.nn.Parameter(torch.randn(300, 70)),
+              torch.nn.Parameter(torch.randn(100))]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt = cls(ps)
+        if chunk is not None:
+            opt.CHUNK = chunk
+        with MemoryTracker(device="cpu", alert_at=None) as mt:
+            mt.watch(optimizer=opt)
+            for _ in range(2):
+                with mt.phase("optimizer"):
+                    opt.step()
+        r = mt.report()
+    return r["peak_bytes"], r["breakdown"]["other"]
+
+
+@pytest.mark.parametrize("cls", [AdamW4bit, AdamW8bit])
+def test_fake_trace_of_one_chunk_has_the_real_steps_peak(cls):
+    """issue 25: on fake tensors (the estimator's trace) the blockwise step runs one chunk per tensor, not all
+    of them; the tracker's peak and temporaries equal those of the real step over every chunk. Control: the
+    same trace with a smaller chunk (other temporaries) is told apart."""
+    real = _step_peak(cls, fake=False)
+    assert _step_peak(cls, fake=True) == real and real[1] > 0
+    assert _step_peak(cls, fake=True, chunk=cls.CHUNK // 4) != real

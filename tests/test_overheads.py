@@ -40,12 +40,16 @@ def test_adamw_foreach_allocates_4_bytes_per_param_fused_none():
     assert single == pytest.approx(2 * 4 * biggest, rel=0.01)  # what the CPU trace sees: 2x the largest tensor
 
 
-def test_baseline_adamw_is_fused_only_with_cuda_params():
+def test_baseline_adamw_is_fused_wherever_torch_has_the_kernel():
+    """issue 25: torch has fused AdamW on the CPU too, so the adamw token uses it there (and on host
+    copies of offloaded parameters, whatever the run's device); a parameter on a device without the
+    kernel (meta here) gets torch's default."""
     p = torch.nn.Parameter(torch.randn(4, 4))
     make = REGISTRY["adamw"].make_optimizer
-    opt = make([{"params": [p]}], None, Context(device=torch.device("cuda")))  # e.g. offload's host copies
-    assert not opt.defaults["fused"]
-    assert not make([{"params": [p]}], None, Context(device=torch.device("cpu"))).defaults["fused"]
+    assert make([{"params": [p]}], None, Context(device=torch.device("cuda"))).defaults["fused"] is True  # host copies
+    assert make([{"params": [p]}], None, Context(device=torch.device("cpu"))).defaults["fused"] is True
+    meta = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    assert not make([{"params": [meta]}], None, Context(device=torch.device("cpu"))).defaults["fused"]
 
 
 @requires_cuda

@@ -17,13 +17,16 @@ resident memory stays flat (the kernel's page cache may keep recently written pa
   thread never blocks on the GPU inside a step (the old code synchronised twice per 64 Ki-element
   chunk); it waits once, at the end of the step, for the last write.
 
-The update itself is torch's own AdamW kernel (``torch.optim.adamw.adamw``, single-tensor path) on
+The update itself is torch's own fused AdamW kernel (``torch._fused_adamw_``, what
+``torch.optim.AdamW(fused=True)`` calls; the single-tensor path where torch has no fused kernel) on
 flat slices of each parameter, so the weights equal ``torch.optim.AdamW``'s (tested over many steps).
+Chunks under 128 Ki elements (norms, biases) skip the IO thread: their few pages fault in, and are
+dropped together.
 
 >>> import tempfile
->>> m = torch.nn.Linear(8, 4)
->>> opt = DiskAdamW(m.parameters(), lr=0.1, directory=tempfile.mkdtemp(), chunk_elems=16)
->>> m(torch.ones(2, 8)).sum().backward(); opt.step()
+>>> m = torch.nn.Linear(16, 8)
+>>> opt = DiskAdamW(m.parameters(), lr=0.1, directory=tempfile.mkdtemp(), chunk_elems=64)
+>>> m(torch.ones(2, 16)).sum().backward(); opt.step()
 >>> opt.file_bytes == 8 * sum(p.numel() for p in m.parameters()), opt.n_chunks
 (True, 3)
 >>> opt.close()
@@ -42,6 +45,7 @@ from typing import Any, Iterable
 
 import torch
 from torch.optim.adamw import adamw as _adamw  # torch's own AdamW math (functional form)
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from ..plan import Context, Plan, PlanError, Technique, register, flag
 from .offload import DevicePair
@@ -49,6 +53,8 @@ from .optimizers import state_bytes_per_param
 
 PAGE = mmap.PAGESIZE
 CHUNK_ELEMS = 1 << 20  # 1 Mi elements: 8 MiB of state per chunk (two fp32 moments)
+LANES = 64  # chunk lengths are rounded up to a multiple of this (any CPU's SIMD width, in floats)
+SMALL_ELEMS = 1 << 17  # chunks under 128 Ki elements (1 MiB of state) skip the prefetch thread
 # Linux >= 5.14: populate the page tables of a range, writable, in one call (Python's mmap module
 # names it from 3.13 on); elsewhere the pages are faulted in on first touch.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
@@ -88,7 +94,8 @@ class DiskAdamW(torch.optim.Optimizer):
     """AdamW whose moments live in a memory-mapped file; see the module docstring.
 
     ``chunks`` lists ``(param, start, stop, file_offset)``: flat element ranges of each parameter,
-    at most ``chunk_elems`` long, each starting on a page boundary of the file (exp_avg, then exp_avg_sq).
+    at most ``chunk_elems`` long (rounded up to a multiple of ``LANES``), each starting on a page boundary
+    of the file (exp_avg, then exp_avg_sq).
     ``pair``: the :class:`DevicePair` of the staged path (made for GPU parameters; pass
     ``DevicePair("cpu")`` to run that path on a CPU against the CUDA twin).
     """
@@ -102,6 +109,9 @@ class DiskAdamW(torch.optim.Optimizer):
         self.prefetch = prefetch
         self.chunks: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
+        # whole multiples of LANES: the fused kernel's vector lanes then cover the same elements as for the
+        # whole tensor (its scalar tail only at the tensor's end), so the result is bitwise torch's
+        chunk_elems = -(-chunk_elems // LANES) * LANES
         for p in (p for g in self.param_groups for p in g["params"]):
             for a in range(0, p.numel(), chunk_elems):
                 b = min(p.numel(), a + chunk_elems)
@@ -154,6 +164,11 @@ class DiskAdamW(torch.optim.Optimizer):
             except OSError:  # a kernel before 5.14: fault the pages in on first touch
                 self._populate = None
 
+    def _small(self, k: int) -> bool:
+        """Chunk k is small (under 1 MiB of state): no prefetch and no drop of its own; handing it to the
+        IO thread costs more than the few page faults it saves."""
+        return self.chunks[k][2] - self.chunks[k][1] < SMALL_ELEMS
+
     def _drop(self, k: int) -> None:
         """Chunk k's pages leave this process (written ones stay in the page cache, bound for the file)."""
         _, a, b, off = self.chunks[k]
@@ -184,8 +199,9 @@ class DiskAdamW(torch.optim.Optimizer):
         staged = self.pair is not None
         if staged:  # chunk i into pinned buffer i % 2
             bring = lambda i: run(self._read, todo[i], self._buffers[i % 2])  # noqa: E731
-        else:  # chunk i's pages mapped, writable
-            bring = lambda i: run(self._map_in, todo[i])  # noqa: E731
+        else:  # chunk i's pages mapped, writable; a small chunk (a norm, a bias) faults its few pages in
+            bring = lambda i: _Done(None) if self._small(todo[i]) else run(self._map_in, todo[i])  # noqa: E731
+        lazy = [0, 0]  # file range of small chunks not dropped yet: dropped together, not one call each
         pending = bring(0) if todo else None
         for i, k in enumerate(todo):
             state = pending.result()
@@ -194,11 +210,7 @@ class DiskAdamW(torch.optim.Optimizer):
             p, a, b, _ = self.chunks[k]
             g = group_of[id(p)]
             mv = self.pair.to_compute(state) if staged else self._view(k)  # staged: (2, n) on the GPU
-            _adamw([p.view(-1)[a:b]], [p.grad.view(-1)[a:b]], [mv[0]], [mv[1]], [],
-                   [torch.tensor(float(self._steps.get(id(p), 0)))], foreach=False, capturable=False,
-                   differentiable=False, fused=None, grad_scale=None, found_inf=None,
-                   amsgrad=False, beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
-                   weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+            _update(p.view(-1)[a:b], p.grad.view(-1)[a:b], mv, self._steps.get(id(p), 0) + 1, g)
             if staged:
                 with self.pair.side():  # back to the pinned buffer, after the update
                     self.pair.copy_(state, mv)
@@ -206,6 +218,13 @@ class DiskAdamW(torch.optim.Optimizer):
                 landed = self.pair.done()
                 del mv  # freed now, while the copy may still be queued: record_stream keeps its memory
                 run(self._write_back, k, state, landed)
+            elif self._small(k):
+                off = self.chunks[k][3]
+                lazy = [off, off] if lazy[0] == lazy[1] else lazy
+                lazy[1] = off + _pages(b - a)
+                if lazy[1] - lazy[0] >= 8 * CHUNK_ELEMS:  # at most 8 MiB of them in this process
+                    self._mm.madvise(mmap.MADV_DONTNEED, lazy[0], lazy[1] - lazy[0])
+                    lazy = [0, 0]
             else:
                 run(self._drop, k)
         if self._pool is not None and todo:
@@ -265,6 +284,21 @@ class DiskAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Unmap and delete the state file (also done when the optimizer is collected, or at exit)."""
         self._finalizer()
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor, step: int, g: dict[str, Any]) -> None:
+    """One AdamW step of a flat slice ``p`` from its (2, n) moments ``mv``, in place: torch's fused kernel
+    where torch has it for the device and dtypes (``torch.optim.AdamW(fused=True)``'s own call), else its
+    single-tensor path (``torch.optim.AdamW(foreach=False)``)."""
+    b1, b2 = g["betas"]
+    if p.dtype == grad.dtype == mv.dtype and p.device.type in _get_fused_kernels_supported_devices():
+        torch._fused_adamw_([p], [grad], [mv[0]], [mv[1]], [], [torch.tensor(float(step), device=p.device)],
+                            lr=g["lr"], beta1=b1, beta2=b2, weight_decay=g["weight_decay"], eps=g["eps"],
+                            amsgrad=False, maximize=False)
+        return
+    _adamw([p], [grad], [mv[0]], [mv[1]], [], [torch.tensor(float(step - 1))], foreach=False, capturable=False,
+           differentiable=False, fused=None, grad_scale=None, found_inf=None, amsgrad=False, beta1=b1, beta2=b2,
+           lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
 
 
 def _pages(n_elems: int) -> int:

@@ -43,6 +43,7 @@ import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -105,9 +106,10 @@ def host_footprint(model: nn.Module, kinds: Iterable[str], optimizer: str | floa
     * ``optimizer``: the optimizer's state for all of them (pageable: ``HostStateOptimizer`` /
       ``HostOptimizer`` step on the host): ``optimizer`` is a token (its formula per shape,
       :func:`~colabkit.techniques.optimizers.state_bytes_per_param`) or bytes per parameter;
-    * ``step``: the temporaries of that step on the host, twice the largest such parameter (torch's
-      single-tensor AdamW, the path it takes on CPU tensors, holds about two parameter-sized
-      temporaries at a time: measured 2.25x under the tracker, CPU, 2026-11-23).
+    * ``step``: the temporaries of that step on the host: none for ``adamw`` (torch's fused kernel, which
+      the token uses on CPU tensors too, updates in place), else twice the largest such parameter (torch's
+      single-tensor AdamW holds about two parameter-sized temporaries at a time: measured 2.25x under the
+      tracker, CPU, 2026-11-23; a bound for the others).
 
     ``offload:activations`` depends on the batch: its pinned cache is guarded as it grows.
 
@@ -146,7 +148,8 @@ def host_footprint(model: nn.Module, kinds: Iterable[str], optimizer: str | floa
                 out["grads"] += pinned_bytes(p.numel() * p.element_size())
                 out["optimizer"] += state(p)
                 biggest = max(biggest, p.numel() * p.element_size())
-    out["step"] = 2 * biggest
+    fused = optimizer == "adamw" and "cpu" in _get_fused_kernels_supported_devices()
+    out["step"] = 0 if fused else 2 * biggest
     return out
 
 
