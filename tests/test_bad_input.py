@@ -127,8 +127,9 @@ def test_qlora_without_linear_layers():
 def test_missing_optional_dependency(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
-    with pytest.raises(PlanError, match=r"'adamw8bit' needs bitsandbytes, which is not installed: pip install bitsandbytes"):
-        _train(plan="adamw8bit")
+    # (adamw8bit runs colabkit's own AdamW8bit off CUDA: lion8bit is bitsandbytes' everywhere)
+    with pytest.raises(PlanError, match=r"'lion8bit' needs bitsandbytes, which is not installed: pip install bitsandbytes"):
+        _train(plan="lion8bit")
 
 
 def test_resume_folder_missing(tmp_path):

@@ -61,7 +61,7 @@ def test_stored_profile_is_used_by_later_estimates(recorded, tmp_path, monkeypat
 
 def test_unknown_gpu_is_refused(recorded):
     with pytest.raises(ValueError, match="no GPU profile matches"):
-        calibrate(dict(recorded, gpu="NVIDIA H100 80GB HBM3"), store=False)
+        calibrate(dict(recorded, gpu="NVIDIA GeForce RTX 3090"), store=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

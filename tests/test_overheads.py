@@ -134,7 +134,8 @@ def test_profiles_have_capacity_and_sources():
     assert profile_for("Tesla P100-PCIE-16GB", platform="kaggle") == "p100"
     assert profile_for("NVIDIA L4") == "l4"
     assert profile_for("NVIDIA A100-SXM4-40GB") == "a100"
-    assert profile_for("NVIDIA A100-SXM4-80GB") is None and profile_for("NVIDIA H100 80GB HBM3") is None
+    assert profile_for("NVIDIA A100-SXM4-80GB") == "a100-80gb" and profile_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert profile_for("NVIDIA GeForce RTX 3090") is None
     l4 = estimate("gpt:2x64", "baseline", batch=2, seq=16, gpu="l4")
     assert l4["budget_bytes"] == GPU_PROFILES["l4"]["capacity_bytes"]
     assert math.isclose(l4["overheads"]["cublas_workspace"], 2 * ov.CUBLAS_DEFAULT)  # sm89: the 8 MiB default
