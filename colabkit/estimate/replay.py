@@ -4,8 +4,8 @@ Traced op by op under fake tensors and the tracker, an optimizer step costs Pyth
 parameter (AdamW4bit: a loop over chunks of every tensor) -- most of a ``plan`` run. Yet what the
 tracker needs from it is only which storages it creates and frees. For optimizers that update each
 parameter on its own (:data:`REPLAYABLE`), :func:`install` replaces ``step`` on the optimizer instance by
-a replay: the step is profiled once per (optimizer class, hyperparameters, the parameters' shapes and
-dtypes, allocator rounding) by running the real ``step`` on fresh meta parameters of those shapes
+a replay: the step is profiled once per (optimizer class, hyperparameters, the parameters' shapes,
+dtypes and device, allocator rounding) by running the real ``step`` on fresh fake parameters of those shapes
 (:func:`profile`), and replayed as the state storages the real step keeps (same bytes, same order) with,
 before each new state storage and at the end, one temporary as large as the step's scratch at that local
 peak. The peaks the tracker records -- total, each category's own, the categories at the peak -- are
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
@@ -129,14 +130,15 @@ def _hyper(group: dict) -> tuple:
 
 
 def _signature(groups: list[dict], assume_grads: bool = False) -> tuple:
-    """What a step's storages depend on: each group's hyperparameters and each parameter's shape, dtype and
-    gradient dtype (None: no gradient, skipped by the step; ``assume_grads``: the parameter's dtype for each
+    """What a step's storages depend on: each group's hyperparameters and each parameter's shape, dtype,
+    device type (the kernels a step picks) and gradient dtype (None: no gradient, skipped by the step; ``assume_grads``: the parameter's dtype for each
     parameter that requires one, as backward will make it)."""
     def grad(p):
         if assume_grads:
             return p.dtype if p.requires_grad else None
         return None if p.grad is None else p.grad.dtype
-    return tuple((_hyper(g), tuple((tuple(p.shape), p.dtype, grad(p)) for p in g["params"])) for g in groups)
+    return tuple((_hyper(g), tuple((tuple(p.shape), p.dtype, grad(p), p.device.type) for p in g["params"]))
+                 for g in groups)
 
 
 def _key(opt: Any, signature: tuple, alloc_round: int) -> tuple:
@@ -145,32 +147,37 @@ def _key(opt: Any, signature: tuple, alloc_round: int) -> tuple:
 
 def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool = False) -> StepProfile:
     """The profile of ``opt.step()`` on its current parameter groups (all of them, or the one parameter a
-    fused-step hook shows it): the real ``step`` run twice on fresh meta parameters of the same shapes and
-    dtypes, outside the caller's modes; cached per (class, :func:`_signature`,
+    fused-step hook shows it): the real ``step`` run twice on fresh fake parameters of the same shapes,
+    dtypes and device, outside the caller's modes; cached per (class, :func:`_signature`,
     ``alloc_round``): :func:`_key`."""
     groups = opt.param_groups
     sig = _signature(groups, assume_grads)
     key = _key(opt, sig, alloc_round)
     if key in _PROFILES:
         return _PROFILES[key]
-    # On meta tensors (meta kernels, as FakeTensorMode runs them, without its per-op Python work), outside
-    # the caller's modes: the recording sees only this step.
+    # On fake tensors of the parameters' own device, in a fresh FakeTensorMode outside the caller's modes:
+    # the recording sees only this step, and the step takes the path it takes in the trace. Not on meta
+    # tensors: a step picks its kernels by device (torch's and the blockwise AdamWs' fused AdamW runs on
+    # CPU and CUDA tensors, not on meta ones, where the slower path's scratch would be recorded) and by
+    # fakeness (a blockwise AdamW runs one chunk of each tensor on fake tensors, all of them on meta ones).
     with _disable_current_modes():
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
         twins = []
-        for g, (_, params) in zip(groups, sig):
-            ps = []
-            for shape, dtype, gdtype in params:
-                q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=True)
-                q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device="meta")
-                ps.append(q)
-            twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
+        with fake:
+            for g, (_, params) in zip(groups, sig):
+                ps = []
+                for shape, dtype, gdtype, dev in params:
+                    q = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=dev), requires_grad=True)
+                    q.grad = None if gdtype is None else torch.empty(shape, dtype=gdtype, device=dev)
+                    ps.append(q)
+                twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
         opt.param_groups = twins
         state: list[int] = []
         steps = []
         try:
             for _ in range(2):
                 rec = _Recorder(alloc_round)
-                with rec:
+                with fake, rec:
                     type(opt).step(opt)
                 keys = {rec.live[id(s)] for g in twins for q in g["params"]
                         for t in tensors_in(opt.state.get(q, {})) for s in _storages(t) if id(s) in rec.live}
