@@ -3,6 +3,7 @@ on fake tensors over this CPU's measured matmul rate, copy bandwidth and dispatc
 steps timed untracked and interleaved (colabkit.timing). Plans whose times differ clearly (>= 25%)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colabkit import build_model, estimate
@@ -46,3 +47,23 @@ def test_estimate_reports_step_time_with_its_source():
     s = r["step_time"]  # offload:optimizer: 8 B/param over PCIe each step outweighs the fp16 matmuls
     assert r["step_time_s"] == sum(s["terms"].values()) and r["tokens_per_s"] == 256 / r["step_time_s"]
     assert s["terms"]["pcie"] > s["terms"]["compute"] and "PCIe 3.0" in s["source"] and s["uncertainty"] > 0
+
+
+@pytest.mark.parametrize("plan", ["baseline", "checkpoint", "lora:8"])
+def test_deep_gpt_counts_are_extrapolated_exactly(plan, monkeypatch):
+    """A GPT deeper than the trace's depths is counted at 2 and 3 layers and extrapolated (every block runs the
+    same kernels): equal to counting the whole model, and cached per shape, not per builder (the planner makes a
+    new builder per candidate: `plan` went from 48 s to seconds). Control: a count that ignores depth is off."""
+    from colabkit.estimate import speed
+    from colabkit.estimate.trace import gpt_builder
+    from colabkit.models import gpt_config
+
+    cfg = gpt_config("gpt:5x64", dropout=0.0)
+    full = speed._count(gpt_builder(cfg), plan, 2, 32)
+    assert speed._flops(gpt_builder(cfg), plan, 2, 32) == full
+    shallow = speed._count(gpt_builder(gpt_config("gpt:3x64", dropout=0.0)), plan, 2, 32)
+    assert shallow[0] < 0.8 * full[0]
+    calls = []
+    monkeypatch.setattr(speed, "_count", lambda *a: calls.append(a) or full)
+    speed._flops(gpt_builder(cfg), plan, 2, 32)  # a new builder of the same shape: from the cache
+    assert not calls

@@ -17,6 +17,7 @@ once (:func:`cpu_throughput`: a matmul and a copy), so the prediction can be che
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,7 @@ from ..plan import REGISTRY, Plan
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import time_fn
 from ..trainer import Trainer
-from .trace import NO_FAKE_OPTIMIZERS, _build, _HostScalars, _swap_by_data
+from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, gpt_builder
 
 # Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
 # main uncertainty (UNCERTAINTY): real models run smaller matmuls and elementwise kernels the count omits.
@@ -103,9 +104,36 @@ _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
 _FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
 
 
-@functools.lru_cache(maxsize=256)
 def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
-    """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters) of one step."""
+    """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters) of one step, cached
+    per model shape (a name, or a GPT config: the planner's builders are new functions for one shape). A GPT
+    deeper than the trace's :data:`~.trace.DEPTHS` is counted at those depths and extrapolated: every block
+    runs the same kernels, so each count is affine in depth (as the memory trace's phases are)."""
+    cfg = _gpt_of(model_fn, seq)
+    key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else model_fn
+    affine = (cfg is not None and cfg.n_layer > DEPTHS[1] and Plan.parse(plan).get("checkpoint") in (None, True))
+    if not affine:
+        return _counted(key, model_fn, plan, batch, seq)
+    d2, d3 = (_counted(repr(replace(cfg, n_layer=d)), gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq)
+              for d in DEPTHS)
+    return tuple(a + (cfg.n_layer - DEPTHS[0]) * (b - a) // (DEPTHS[1] - DEPTHS[0]) for a, b in zip(d2, d3))
+
+
+_COUNTS: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
+    """:func:`_flops` of one model as built, counted once per process (``key``: the cache's name for its
+    shape; ``model_fn`` itself is not part of the key)."""
+    k = (key, plan, batch, seq)
+    if k not in _COUNTS:
+        if len(_COUNTS) >= 256:
+            _COUNTS.clear()
+        _COUNTS[k] = _count(model_fn, plan, batch, seq)
+    return _COUNTS[k]
+
+
+def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
