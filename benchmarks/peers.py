@@ -244,13 +244,18 @@ def tracker_row(cfg: dict) -> dict:
 
 
 def estimate_row(cfg: dict) -> dict:
-    """colabkit.estimate (fp16+checkpoint on a T4, warm: the second call in this process) against accelerate's
+    """colabkit.estimate (fp16+checkpoint on a T4, warm: imports and optimizer profiles loaded, but its trace and
+    FLOP-count caches cleared before every call, so each call traces anew) against accelerate's
     calculate_maximum_sizes on the same model built on the meta device (parameters only)."""
     from accelerate.utils import calculate_maximum_sizes
 
     name, seq = cfg["est_model"], cfg["est_seq"]
 
-    def ours():
+    trace_mod, speed_mod = (importlib.import_module(f"colabkit.estimate.{m}") for m in ("trace", "speed"))
+
+    def ours():  # the trace and FLOP count made afresh each call (cleared caches): what a new question costs
+        trace_mod._CACHE.clear()
+        speed_mod._COUNTS.clear()
         colabkit.estimate(name, "fp16+checkpoint", batch=1, seq=seq, gpu="t4")
 
     def accelerate():
