@@ -68,7 +68,8 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
 
 
 def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trainable_shapes: list, L: int,
-                notes: list[str], block_shapes: list | None = None, phase: str | None = None) -> tuple[dict, dict, int]:
+                notes: list[str], block_shapes: list | None = None, phase: str | None = None,
+                grads_streamed: bool = False, blocks_done: bool = False) -> tuple[dict, dict, int]:
     """Move offloaded categories to host RAM (``phase``: the phase these figures are of; None: the whole step).
 
     * ``optimizer``: the state and the step's temporaries (the update runs on the host) leave; each gradient
@@ -78,6 +79,9 @@ def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trai
       buffers in backward) and their optimizer state (updated in place on the host) leave; the GPU keeps
       everything else, plus in forward/backward two blocks' weights (current + prefetch) and one block's
       gradients in flight. Without ``block_shapes``: all trainable weights counted as blocks.
+      ``grads_streamed``: the trace already moved each block gradient to the host once complete
+      (``trace.block_grads_to_host``), so the figures' gradients are the GPU's: kept as they are.
+      ``blocks_done``: the figures are of a moment after every block's backward (no block in flight).
     * ``activations``: one block of saved activations stays.
 
     Pinned host tensors count with CUDA's power-of-two rounding."""
@@ -91,9 +95,9 @@ def _host_split(br: dict[str, int], at: dict[str, int], offload: frozenset, trai
     for what in sorted(offload):
         extra = ""
         if what == "params":
-            in_flight = 0 if phase == "optimizer" else 1
+            in_flight = 0 if phase == "optimizer" or blocks_done else 1
             keep_w = 1 - share + share * in_flight * min(1.0, 2 / max(L, 1))
-            keep_g = 1 - share + share * in_flight / max(L, 1)
+            keep_g = 1.0 if grads_streamed else 1 - share + share * in_flight / max(L, 1)
             moved = state = 0
             for cat, frac in (("params", keep_w), ("grads", keep_g), ("optimizer", 1 - share)):
                 m = br[cat] - int(br[cat] * frac)

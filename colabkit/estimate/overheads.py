@@ -230,8 +230,8 @@ def _optimizer_step(plan: Plan, trainable_shapes: list[tuple[int, ...]]) -> Term
                     "torch AdamW with fused=True on CUDA (colabkit's adamw): the fused kernel updates in place, no "
                     f"temporaries; foreach (torch's CUDA default) would add {ADAMW_FOREACH_BYTES_PER_PARAM:.0f} B/param "
                     f"= {ADAMW_FOREACH_BYTES_PER_PARAM * n / GiB:.2f} GiB here (measured on CPU, torch 2.13.0+cpu, "
-                    "2026-11-22). The CPU trace ran the single-tensor path (2x the largest parameter at the step): "
-                    "kept, conservative", False)
+                    "2026-11-22). The CPU trace ran the same fused kernel (colabkit's adamw is fused on the CPU "
+                    "too): nothing to add", False)
     if opt in ("adamw8bit", "paged-adamw8bit", "lion8bit", "lion"):
         return Term("optimizer_step", 0, 0,
                     "bitsandbytes 8-/32-bit optimizers update in place in one blockwise kernel per tensor "

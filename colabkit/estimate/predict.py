@@ -30,8 +30,8 @@ from .formulas import _host_split, analytic
 from .zero import for_rank, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
-from .trace import (CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, batch_shape, check_as_gpu, described,
-                    trace_with_substitutes)
+from .trace import (CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, batch_shape, block_grads_to_host,
+                    check_as_gpu, described, trace_with_substitutes)
 
 
 def from_config(config: Any) -> Callable[[], torch.nn.Module]:
@@ -142,18 +142,25 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         disk = "offload:disk" in traced_plan  # a file on disk: traced as AdamW, the state moved below
         if disk:
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
-        t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
-                                   CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
+        streamed = "params" in offload  # offload:params: block gradients leave for the host in the trace
+        with block_grads_to_host(streamed):
+            t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
+                                       CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes)  # plan: offload is bytes moved
     _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
+    # offload:params: a backward peak at which every gradient the step finds on the GPU (the non-block ones) is
+    # complete comes after the input embedding's backward, upstream of every block: no block weights in flight
+    step_grads = t["phase_peaks"].get("optimizer", {}).get("at_peak", {}).get("grads", 0)
+    done = {p: streamed and p == "backward" and 0 < v["at_peak"]["grads"] >= max(v["own"]["grads"], step_grads)
+            for p, v in t["phase_peaks"].items()}
     phases = {p: _host_split(v["own"], v["at_peak"], offload, t["trainable_shapes"], getattr(cfg, "n_layer", 1), [],
-                             t.get("block_shapes"), phase=p)
+                             t.get("block_shapes"), phase=p, grads_streamed=streamed, blocks_done=done[p])
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
-                               getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"))
+                               getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])

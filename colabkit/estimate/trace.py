@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
-from ..memory import MemoryTracker, fmt_bytes
+from ..memory import MemoryTracker, fmt_bytes, host_side, is_host
 from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques import lora as _lora
@@ -60,6 +60,40 @@ def full_trace(on: bool = True):
         yield
     finally:
         _FULL[0] = prev
+
+
+# offload:params on a GPU (the plan is traced without it): each block gradient leaves the device as soon as it
+# is complete, for a pinned host buffer (OffloadedBlock's grads_to_host). Traced so: the backward's peak is
+# then where it is in the real run (early in backward, with the logits' gradient, not at its end with every
+# gradient), which no split of the plain trace's peak can find.
+_STREAM_BLOCK_GRADS = [False]
+
+
+@contextlib.contextmanager
+def block_grads_to_host(on: bool = True):
+    """Within the block, traces move each transformer block's gradient to the host side once complete."""
+    prev, _STREAM_BLOCK_GRADS[0] = _STREAM_BLOCK_GRADS[0], on
+    try:
+        yield
+    finally:
+        _STREAM_BLOCK_GRADS[0] = prev
+
+
+def _grad_to_host(p: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: the device gradient (counted from its creation) replaced by a host one."""
+    if p.grad is not None and not is_host(p.grad):
+        with host_side():
+            h = torch.empty_like(p.grad)
+        p.grad = h
+
+
+def _stream_block_grads(model: torch.nn.Module) -> None:
+    try:
+        params = [p for p in blocks_of(model).parameters() if p.requires_grad]
+    except (ValueError, AttributeError, TypeError):
+        return
+    for p in params:
+        p.register_post_accumulate_grad_hook(_grad_to_host)
 
 
 _DEVICE = torch.ops.prim.device.default
@@ -252,6 +286,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
         with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
+            if _STREAM_BLOCK_GRADS[0]:
+                _stream_block_grads(trainer.model)
             run = range(steps)
             # the optimizer's step replayed from profiles of the real one (same storages); and where the first
             # step is dominated by the second (it only lacks the state), the state made directly and one traced
@@ -390,7 +426,7 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
     if _FULL[0] or model_key is None or inputs is not None:
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
-           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE)
+           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE, _STREAM_BLOCK_GRADS[0])
     hit = _CACHE.get(key)
     if hit is None:
         extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
