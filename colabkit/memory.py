@@ -2,8 +2,9 @@
 gradients, optimizer state, activations and other/temporaries, on any device (the CPU included),
 with a phase-labelled timeline, alerts, and CUDA snapshots.
 
-The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates and a weak
-reference that sees it freed. A storage's category is decided by what it turns out to be: a model
+The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates, a weak
+reference that sees it freed, and a wrapper of ``UntypedStorage.resize_`` (while a tracker is active)
+that sees a storage freed or re-allocated in place, as FSDP2 does with its all-gathered parameters. A storage's category is decided by what it turns out to be: a model
 parameter or buffer, a ``.grad``, a tensor held in the optimizer's state, else by the phase that
 created it (forward -> activations, anything else -> other). Peaks are replayed with those final
 categories, so optimizer state created inside ``step()`` counts as optimizer state from its birth.
@@ -210,6 +211,46 @@ class _Info:
         return "activations" if self.phase == "forward" else "other"
 
 
+# ----- storage resizes ---------------------------------------------------------------------------
+# FSDP2 frees an all-gathered parameter with ``tensor.untyped_storage().resize_(0)`` and re-allocates it
+# with ``resize_(n)`` before the next all-gather (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+# free_storage / alloc_storage): a direct call into the storage, no aten op, so no dispatch mode sees it.
+# While any tracker is active, ``torch.UntypedStorage.resize_`` is wrapped to tell every active tracker
+# (nested ones too); the last one to exit puts the original back.
+_RESIZING: list["MemoryTracker"] = []
+_RESIZE_LOCK = threading.Lock()
+_RESIZE_PREV: list[Any] = []  # resize_ as it was when the wrapper went in
+
+
+def _resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    out = _RESIZE_PREV[0](self, size)
+    for tracker in tuple(_RESIZING):
+        tracker._resized(self)
+    return out
+
+
+def _watch_resizes(tracker: "MemoryTracker", on: bool) -> None:
+    """Start (``on``) or stop telling ``tracker`` about ``UntypedStorage.resize_`` calls."""
+    with _RESIZE_LOCK:
+        if on:
+            if not _RESIZING:
+                _RESIZE_PREV[:] = [torch.UntypedStorage.__dict__.get("resize_", torch._C.StorageBase.resize_)]
+                torch.UntypedStorage.resize_ = _resize_
+            _RESIZING.append(tracker)
+        elif tracker in _RESIZING:
+            _RESIZING.remove(tracker)
+            if not _RESIZING:
+                prev = _RESIZE_PREV.pop()
+                if prev is torch._C.StorageBase.resize_:  # it was inherited: inherit it again
+                    del torch.UntypedStorage.resize_
+                else:
+                    torch.UntypedStorage.resize_ = prev
+
+
+_ATEN_RESIZE = torch.ops.aten.resize_.default  # tensor.resize_: an aten op whose output is its input
+_STORAGE_RESIZE = getattr(getattr(torch.ops, "inductor", None), "resize_storage_bytes_", None)  # compiled FSDP2
+
+
 class _Mode(TorchDispatchMode):
     """Sees every op; hands new storages of the tracked device to the tracker. The hot path (an op whose
     outputs are storages the tracker knows: views, in-place ops) allocates nothing in Python: one dict
@@ -225,11 +266,16 @@ class _Mode(TorchDispatchMode):
         if type(out) in _PLAIN:  # most ops: one plain tensor
             st = out.untyped_storage()
             if id(st) in tr._ids:
+                if func is _ATEN_RESIZE:  # may have grown (or shrunk) the storage in place
+                    tr._resized(st)
                 return out
             outs = (out,)
         elif isinstance(out, (tuple, list)) and all(type(o) in _PLAIN or o is None for o in out):
             outs = out
         else:
+            if _STORAGE_RESIZE is not None and func in (_STORAGE_RESIZE.default,):  # returns nothing
+                for st in _storages(args[0]):
+                    tr._resized(st)
             outs = tree_flatten(out)[0]
         inputs = None
         host = getattr(_HOST_SCOPE, "on", False)
@@ -355,11 +401,13 @@ class MemoryTracker:
             self._classify()
             self._mode = _Mode(self)
             self._mode.__enter__()
+            _watch_resizes(self, True)
         self._sample("setup")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._mode is not None:
+            _watch_resizes(self, False)
             self._mode.__exit__(*exc)
             self._mode = None
         for h in self._hooks:
@@ -432,7 +480,7 @@ class MemoryTracker:
         return peak
 
     # ----- bookkeeping ------------------------------------------------------------------------
-    def _on_device(self, t: torch.Tensor) -> bool:
+    def _on_device(self, t: torch.Tensor | torch.UntypedStorage) -> bool:
         if getattr(t, "is_paged", False):  # bitsandbytes paged state: CUDA managed memory seen as a CPU tensor
             return self.is_cuda and self.device.index in (None, getattr(t, "page_deviceid", None) or 0)
         d = t.device
@@ -461,6 +509,33 @@ class MemoryTracker:
         # watches -- alive for as long as any tracked storage lives, i.e. forever
         ref = weakref.ref(st, self._dead)
         self._refs[id(ref)] = (ref, key, id(st))
+        if over and not self.alerts:
+            self._alert()
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        """``st`` was resized in place: a tracked storage now holds its new size (0: freed; the category
+        stays), an untracked one of this device that grew is a new allocation."""
+        uid = self._ids.get(id(st))
+        if uid is None:
+            if st.nbytes() and self._on_device(st):
+                if getattr(_HOST_SCOPE, "on", False) and st.device.type == "cpu":
+                    _HOST.add(st)
+                self._add(st, "resize_")
+            return
+        n = -(-st.nbytes() // self.alloc_round) * self.alloc_round
+        with self._lock:
+            info = self._infos.get(uid)
+            if info is None or info.dead or n == info.nbytes:
+                return
+            delta, info.nbytes = n - info.nbytes, n
+            self._events.append((uid, delta))
+            if info.host:
+                self._host_total += delta
+                return
+            self._total += delta
+            if self._total > self._phase_max:
+                self._phase_max = self._total
+            over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
         if over and not self.alerts:
             self._alert()
 
@@ -568,7 +643,7 @@ class MemoryTracker:
                     htotal += delta
                     self._host_cat_peak[c] = max(self._host_cat_peak[c], hcats[c])
                     self._host_peak = max(self._host_peak, htotal)
-                    if delta < 0:
+                    if info.dead:  # (a storage resized smaller is still alive)
                         dead.append(key)
                     continue
                 cats[info.category] += delta
@@ -589,7 +664,7 @@ class MemoryTracker:
                     for k, v in cats.items():
                         if v > own[k]:
                             own[k] = v
-                else:
+                elif info.dead:  # (a storage resized smaller is still alive)
                     dead.append(key)
             for key in dead:
                 self._infos.pop(key, None)
