@@ -528,7 +528,7 @@ class MemoryTracker:
             if info is None or info.dead or n == info.nbytes:
                 return
             delta, info.nbytes = n - info.nbytes, n
-            self._events.append((uid, delta))
+            self._events.append((uid, delta, self._phase, self._step))  # a regrowth peaks in this phase
             if info.host:
                 self._host_total += delta
                 return
@@ -635,7 +635,8 @@ class MemoryTracker:
             cats, total = self._cat_now, sum(self._cat_now.values())
             hcats, htotal = self._host_now, sum(self._host_now.values())
             dead = []
-            for key, delta in events:
+            for ev in events:  # (uid, bytes), or (uid, bytes, phase, step) for a resize: when it happened
+                key, delta = ev[0], ev[1]
                 info = self._infos[key]
                 if info.host:  # the host side keeps its own peaks
                     c = info.category
@@ -652,12 +653,13 @@ class MemoryTracker:
                     c = info.category
                     if cats[c] > self._cat_peak[c]:
                         self._cat_peak[c] = cats[c]
+                    phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
                     if total > self._peak:
                         self._peak, self._at_peak = total, dict(cats)
-                        self._phase_at_peak, self._step_at_peak = info.phase, info.step
-                    pp = self._phase_peaks.get(info.phase)
+                        self._phase_at_peak, self._step_at_peak = phase, step
+                    pp = self._phase_peaks.get(phase)
                     if pp is None:
-                        pp = self._phase_peaks[info.phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
+                        pp = self._phase_peaks[phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
                     if total > pp["peak"]:
                         pp["peak"], pp["at_peak"] = total, dict(cats)
                     own = pp["own"]  # each category's largest value during the phase (also what it carries in)
