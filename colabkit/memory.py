@@ -378,6 +378,7 @@ class MemoryTracker:
         self._host_total = 0
         self._phase_max = 0
         self._mode: _Mode | None = None
+        self._thread = threading.get_ident()  # where the dispatch mode runs (set again on entry)
         # CUDA's peak counter only goes up until reset, so the tracker resets it at each phase entry
         # and folds it into the window's peaks and every open phase's (see _cuda_fold)
         self._cuda = CudaStats(self.device) if self.is_cuda else None
@@ -401,6 +402,7 @@ class MemoryTracker:
             self._classify()
             self._mode = _Mode(self)
             self._mode.__enter__()
+            self._thread = threading.get_ident()
             _watch_resizes(self, True)
         self._sample("setup")
         return self
@@ -514,10 +516,11 @@ class MemoryTracker:
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         """``st`` was resized in place: a tracked storage now holds its new size (0: freed; the category
-        stays), an untracked one of this device that grew is a new allocation."""
+        stays), an untracked one of this device that grew is a new allocation (in the tracker's thread,
+        as the dispatch mode sees allocations: a mode is per thread)."""
         uid = self._ids.get(id(st))
         if uid is None:
-            if st.nbytes() and self._on_device(st):
+            if st.nbytes() and self._on_device(st) and threading.get_ident() == self._thread:
                 if getattr(_HOST_SCOPE, "on", False) and st.device.type == "cpu":
                     _HOST.add(st)
                 self._add(st, "resize_")
