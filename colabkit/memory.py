@@ -4,9 +4,10 @@ with a phase-labelled timeline, alerts, and CUDA snapshots.
 
 The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates, a weak
 reference that sees it freed, and a wrapper of ``UntypedStorage.resize_`` (while a tracker is active)
-that sees a storage freed or re-allocated in place, as FSDP2 does with its all-gathered parameters. A storage's category is decided by what it turns out to be: a model
-parameter or buffer, a ``.grad``, a tensor held in the optimizer's state, else by the phase that
-created it (forward -> activations, anything else -> other). Peaks are replayed with those final
+that sees a storage freed or re-allocated in place, as FSDP2 does with its all-gathered parameters.
+A storage's category is decided by what it turns out to be: a model parameter or buffer, a ``.grad``,
+a tensor held in the optimizer's state, else by the phase that created it (forward -> activations,
+anything else -> other). Peaks are replayed with those final
 categories, so optimizer state created inside ``step()`` counts as optimizer state from its birth.
 
 >>> import torch
