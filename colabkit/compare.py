@@ -132,16 +132,37 @@ def _fd2_silenced():
 def tracker_vs_allocator(make_model: Any, plan: str = "baseline", batch: int = 4, seq: int = 64, steps: int = 2,
                          outside: int = 0) -> tuple[int, int]:
     """``(tracker's peak, allocator's peak)`` in bytes for ``steps`` CPU training steps of ``make_model()``
-    under ``plan``, both windows opening on nothing: the allocator's is torch's own accounting, the running
-    sum of ``torch.profiler``'s ``[memory]`` events (:func:`colabkit.estimate.calibrate.allocator_peak`),
-    an independent check of the tracker. Garbage of earlier work collected *inside* the window would show
-    as frees of memory the profiler never saw allocated, so the cyclic GC runs first and is paused
-    meanwhile. ``outside`` bytes are allocated after the tracker closed (a negative control).
+    under ``plan`` (:func:`peaks_vs_allocator`).
 
     >>> from colabkit.models import build_model
     >>> tracked, alloc = tracker_vs_allocator(lambda: build_model("gpt:1x32"), steps=1, batch=2, seq=16)
     >>> abs(tracked - alloc) <= 0.02 * alloc
     True
+    """
+    x = torch.randint(0, 256, (batch, seq))
+
+    def work(tracker: Any) -> None:
+        trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
+        for i in range(steps):
+            tracker.set_step(i)
+            trainer.step(x, x)
+
+    return peaks_vs_allocator(work, outside=outside)
+
+
+def peaks_vs_allocator(work: Any, outside: int = 0) -> tuple[int, int]:
+    """``(tracker's peak, allocator's peak)`` in bytes of ``work(tracker)`` on the CPU, both windows opening
+    on nothing: the allocator's is torch's own accounting, the running sum of ``torch.profiler``'s
+    ``[memory]`` events (:func:`colabkit.estimate.calibrate.allocator_peak`), an independent check of the
+    tracker. Garbage of earlier work collected *inside* the window would show as frees of memory the
+    profiler never saw allocated, so the cyclic GC runs first and is paused meanwhile. ``outside`` bytes
+    are allocated after the tracker closed (a negative control).
+
+    >>> def work(tracker):  # 4 KB freed in place, 2 KB, the 4 KB storage re-allocated at 8 KB
+    ...     a = torch.empty(1024); a.untyped_storage().resize_(0); b = torch.empty(512)
+    ...     a.untyped_storage().resize_(8192)
+    >>> peaks_vs_allocator(work)
+    (10240, 10240)
     """
     import gc
 
@@ -150,17 +171,13 @@ def tracker_vs_allocator(make_model: Any, plan: str = "baseline", batch: int = 4
     from .estimate.calibrate import allocator_peak
     from .memory import MemoryTracker
 
-    x = torch.randint(0, 256, (batch, seq))
     tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62)
     gc.collect()
     gc.disable()
     try:
         with _fd2_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with tracker:
-                trainer = Trainer(make_model(), plan, device="cpu", tracker=tracker)
-                for i in range(steps):
-                    tracker.set_step(i)
-                    trainer.step(x, x)
+                work(tracker)
             extra = torch.empty(outside, dtype=torch.uint8) if outside else None  # noqa: F841
     finally:
         gc.enable()

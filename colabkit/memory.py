@@ -2,10 +2,12 @@
 gradients, optimizer state, activations and other/temporaries, on any device (the CPU included),
 with a phase-labelled timeline, alerts, and CUDA snapshots.
 
-The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates and a weak
-reference that sees it freed. A storage's category is decided by what it turns out to be: a model
-parameter or buffer, a ``.grad``, a tensor held in the optimizer's state, else by the phase that
-created it (forward -> activations, anything else -> other). Peaks are replayed with those final
+The breakdown comes from a ``TorchDispatchMode`` that sees every storage an op creates, a weak
+reference that sees it freed, and a wrapper of ``UntypedStorage.resize_`` (while a tracker is active)
+that sees a storage freed or re-allocated in place, as FSDP2 does with its all-gathered parameters.
+A storage's category is decided by what it turns out to be: a model parameter or buffer, a ``.grad``,
+a tensor held in the optimizer's state, else by the phase that created it (forward -> activations,
+anything else -> other). Peaks are replayed with those final
 categories, so optimizer state created inside ``step()`` counts as optimizer state from its birth.
 
 >>> import torch
@@ -210,6 +212,46 @@ class _Info:
         return "activations" if self.phase == "forward" else "other"
 
 
+# ----- storage resizes ---------------------------------------------------------------------------
+# FSDP2 frees an all-gathered parameter with ``tensor.untyped_storage().resize_(0)`` and re-allocates it
+# with ``resize_(n)`` before the next all-gather (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+# free_storage / alloc_storage): a direct call into the storage, no aten op, so no dispatch mode sees it.
+# While any tracker is active, ``torch.UntypedStorage.resize_`` is wrapped to tell every active tracker
+# (nested ones too); the last one to exit puts the original back.
+_RESIZING: list["MemoryTracker"] = []
+_RESIZE_LOCK = threading.Lock()
+_RESIZE_PREV: list[Any] = []  # resize_ as it was when the wrapper went in
+
+
+def _resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    out = _RESIZE_PREV[0](self, size)
+    for tracker in tuple(_RESIZING):
+        tracker._resized(self)
+    return out
+
+
+def _watch_resizes(tracker: "MemoryTracker", on: bool) -> None:
+    """Start (``on``) or stop telling ``tracker`` about ``UntypedStorage.resize_`` calls."""
+    with _RESIZE_LOCK:
+        if on:
+            if not _RESIZING:
+                _RESIZE_PREV[:] = [torch.UntypedStorage.__dict__.get("resize_", torch._C.StorageBase.resize_)]
+                torch.UntypedStorage.resize_ = _resize_
+            _RESIZING.append(tracker)
+        elif tracker in _RESIZING:
+            _RESIZING.remove(tracker)
+            if not _RESIZING:
+                prev = _RESIZE_PREV.pop()
+                if prev is torch._C.StorageBase.resize_:  # it was inherited: inherit it again
+                    del torch.UntypedStorage.resize_
+                else:
+                    torch.UntypedStorage.resize_ = prev
+
+
+_ATEN_RESIZE = torch.ops.aten.resize_.default  # tensor.resize_: an aten op whose output is its input
+_STORAGE_RESIZE = getattr(getattr(torch.ops, "inductor", None), "resize_storage_bytes_", None)  # compiled FSDP2
+
+
 class _Mode(TorchDispatchMode):
     """Sees every op; hands new storages of the tracked device to the tracker. The hot path (an op whose
     outputs are storages the tracker knows: views, in-place ops) allocates nothing in Python: one dict
@@ -225,11 +267,16 @@ class _Mode(TorchDispatchMode):
         if type(out) in _PLAIN:  # most ops: one plain tensor
             st = out.untyped_storage()
             if id(st) in tr._ids:
+                if func is _ATEN_RESIZE:  # may have grown (or shrunk) the storage in place
+                    tr._resized(st)
                 return out
             outs = (out,)
         elif isinstance(out, (tuple, list)) and all(type(o) in _PLAIN or o is None for o in out):
             outs = out
         else:
+            if _STORAGE_RESIZE is not None and func in (_STORAGE_RESIZE.default,):  # returns nothing
+                for st in _storages(args[0]):
+                    tr._resized(st)
             outs = tree_flatten(out)[0]
         inputs = None
         host = getattr(_HOST_SCOPE, "on", False)
@@ -332,6 +379,7 @@ class MemoryTracker:
         self._host_total = 0
         self._phase_max = 0
         self._mode: _Mode | None = None
+        self._thread = threading.get_ident()  # where the dispatch mode runs (set again on entry)
         # CUDA's peak counter only goes up until reset, so the tracker resets it at each phase entry
         # and folds it into the window's peaks and every open phase's (see _cuda_fold)
         self._cuda = CudaStats(self.device) if self.is_cuda else None
@@ -355,11 +403,14 @@ class MemoryTracker:
             self._classify()
             self._mode = _Mode(self)
             self._mode.__enter__()
+            self._thread = threading.get_ident()
+            _watch_resizes(self, True)
         self._sample("setup")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._mode is not None:
+            _watch_resizes(self, False)
             self._mode.__exit__(*exc)
             self._mode = None
         for h in self._hooks:
@@ -432,7 +483,7 @@ class MemoryTracker:
         return peak
 
     # ----- bookkeeping ------------------------------------------------------------------------
-    def _on_device(self, t: torch.Tensor) -> bool:
+    def _on_device(self, t: torch.Tensor | torch.UntypedStorage) -> bool:
         if getattr(t, "is_paged", False):  # bitsandbytes paged state: CUDA managed memory seen as a CPU tensor
             return self.is_cuda and self.device.index in (None, getattr(t, "page_deviceid", None) or 0)
         d = t.device
@@ -461,6 +512,34 @@ class MemoryTracker:
         # watches -- alive for as long as any tracked storage lives, i.e. forever
         ref = weakref.ref(st, self._dead)
         self._refs[id(ref)] = (ref, key, id(st))
+        if over and not self.alerts:
+            self._alert()
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        """``st`` was resized in place: a tracked storage now holds its new size (0: freed; the category
+        stays), an untracked one of this device that grew is a new allocation (in the tracker's thread,
+        as the dispatch mode sees allocations: a mode is per thread)."""
+        uid = self._ids.get(id(st))
+        if uid is None:
+            if st.nbytes() and self._on_device(st) and threading.get_ident() == self._thread:
+                if getattr(_HOST_SCOPE, "on", False) and st.device.type == "cpu":
+                    _HOST.add(st)
+                self._add(st, "resize_")
+            return
+        n = -(-st.nbytes() // self.alloc_round) * self.alloc_round
+        with self._lock:
+            info = self._infos.get(uid)
+            if info is None or info.dead or n == info.nbytes:
+                return
+            delta, info.nbytes = n - info.nbytes, n
+            self._events.append((uid, delta, self._phase, self._step))  # a regrowth peaks in this phase
+            if info.host:
+                self._host_total += delta
+                return
+            self._total += delta
+            if self._total > self._phase_max:
+                self._phase_max = self._total
+            over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
         if over and not self.alerts:
             self._alert()
 
@@ -560,7 +639,8 @@ class MemoryTracker:
             cats, total = self._cat_now, sum(self._cat_now.values())
             hcats, htotal = self._host_now, sum(self._host_now.values())
             dead = []
-            for key, delta in events:
+            for ev in events:  # (uid, bytes), or (uid, bytes, phase, step) for a resize: when it happened
+                key, delta = ev[0], ev[1]
                 info = self._infos[key]
                 if info.host:  # the host side keeps its own peaks
                     c = info.category
@@ -568,7 +648,7 @@ class MemoryTracker:
                     htotal += delta
                     self._host_cat_peak[c] = max(self._host_cat_peak[c], hcats[c])
                     self._host_peak = max(self._host_peak, htotal)
-                    if delta < 0:
+                    if info.dead:  # (a storage resized smaller is still alive)
                         dead.append(key)
                     continue
                 cats[info.category] += delta
@@ -577,19 +657,20 @@ class MemoryTracker:
                     c = info.category
                     if cats[c] > self._cat_peak[c]:
                         self._cat_peak[c] = cats[c]
+                    phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
                     if total > self._peak:
                         self._peak, self._at_peak = total, dict(cats)
-                        self._phase_at_peak, self._step_at_peak = info.phase, info.step
-                    pp = self._phase_peaks.get(info.phase)
+                        self._phase_at_peak, self._step_at_peak = phase, step
+                    pp = self._phase_peaks.get(phase)
                     if pp is None:
-                        pp = self._phase_peaks[info.phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
+                        pp = self._phase_peaks[phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
                     if total > pp["peak"]:
                         pp["peak"], pp["at_peak"] = total, dict(cats)
                     own = pp["own"]  # each category's largest value during the phase (also what it carries in)
                     for k, v in cats.items():
                         if v > own[k]:
                             own[k] = v
-                else:
+                elif info.dead:  # (a storage resized smaller is still alive)
                     dead.append(key)
             for key in dead:
                 self._infos.pop(key, None)

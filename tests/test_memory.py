@@ -2,6 +2,7 @@
 import json
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -156,3 +157,25 @@ def test_tracker_does_not_keep_models_alive():
         colabkit.measure("gpt-tiny", "baseline", batch=2, seq=16, steps=1, device="cpu")
     gc.collect()
     assert sum(isinstance(o, colabkit.MemoryTracker) for o in gc.get_objects()) == before
+
+
+def test_storage_resized_in_place_keeps_its_category_and_the_patch_is_undone():
+    # FSDP2 frees a gathered parameter with storage.resize_(0) and re-allocates it with resize_(n); the
+    # tracker counts the new size at once, in the same category; nested trackers both see it, and the
+    # original UntypedStorage.resize_ is back once the last one exits (an exception included)
+    model = torch.nn.Linear(256, 256)
+    w, b = 256 * 256 * 4, 256 * 4  # bytes of weight and bias (numel x 4, independent of the tracker)
+    with MemoryTracker(model, device="cpu", alert_at=None) as outer:
+        with MemoryTracker(model, device="cpu", alert_at=None) as inner:
+            model.weight.untyped_storage().resize_(0)
+            assert outer.current()["params"] == inner.current()["params"] == b
+            model.weight.untyped_storage().resize_(2 * w)  # re-allocated (larger: a regrowth, not a restore)
+            assert inner.current()["params"] == 2 * w + b
+        assert "resize_" in vars(torch.UntypedStorage)  # the outer tracker is still active
+        model.weight.untyped_storage().resize_(w)
+    assert outer.report()["breakdown"]["params"] == 2 * w + b and outer.current()["params"] == w + b
+    assert "resize_" not in vars(torch.UntypedStorage)  # torch's own method again
+    with pytest.raises(RuntimeError):
+        with MemoryTracker(device="cpu"):
+            raise RuntimeError("boom")
+    assert "resize_" not in vars(torch.UntypedStorage)

@@ -4,7 +4,8 @@ activation term against the published per-layer formula.
 1. ``torch.profiler.profile(profile_memory=True)`` records every allocation and free the CPU allocator
    reports (``[memory]`` events with their byte counts); their running sum's maximum is the allocator's
    peak (:func:`colabkit.estimate.calibrate.allocator_peak`). The tracker (a dispatch mode that sees tensor storages) must agree within 2% on 6 plans x 3
-   architectures: colabkit's GPT, a transformers Llama (``llama:LxD``), a transformers GPT-2 config.
+   architectures: colabkit's GPT, a transformers Llama (``llama:LxD``), a transformers GPT-2 config;
+   and exactly on storages freed and re-allocated in place (``UntypedStorage.resize_``, FSDP2's way).
    (Not ``lora``: on the CPU its base is bf16, and a bf16 matmul allocates buffers inside the kernel that no
    tracker between ops can see: 1.4-4.5% on this machine's CPU, and it depends on the CPU's bf16 kernels.)
 2. Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models, eq. 1-2):
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 import colabkit.techniques  # noqa: F401  (registers the plan tokens)
-from colabkit.compare import tracker_vs_allocator
+from colabkit.memory import MemoryTracker
+from colabkit.compare import peaks_vs_allocator, tracker_vs_allocator
 from colabkit.estimate.trace import trace
 from colabkit.models import build_model
 
@@ -53,6 +55,32 @@ def test_tracker_peak_matches_allocator(arch, plan):
 def test_comparison_detects_memory_the_tracker_did_not_see():
     tracked, allocator = tracked_and_allocator(ARCHS["gpt"], "baseline", outside=16 * 2**20)
     assert allocator > 16 * 2**20 > tracked  # the allocator saw the 16 MiB; the tracker could not
+    assert tracked != pytest.approx(allocator, rel=0.02)
+
+
+def resize_in_place(tracker):
+    """FSDP2's pattern on plain tensors: a storage freed with ``resize_(0)`` while others are made, then
+    re-allocated (at twice its size, so a tracker deaf to either direction has another peak)."""
+    mib = 2**20 // 4  # floats
+    a = torch.empty(16 * mib)
+    a.untyped_storage().resize_(0)                   # the allocator frees 16 MiB
+    b, c = torch.empty(16 * mib), torch.empty(16 * mib)  # 32 MiB live (a tracker that missed the free: 48)
+    del c
+    a.untyped_storage().resize_(32 * 2**20)          # 48 MiB (a tracker that missed it: 32)
+    d = torch.empty(8 * mib)                         # 56 MiB: the peak
+    del a, b, d
+
+
+def test_tracker_sees_storage_resized_to_zero_and_back():
+    tracked, allocator = peaks_vs_allocator(resize_in_place)
+    assert allocator == 56 * 2**20
+    assert tracked == allocator
+
+
+def test_resize_check_fails_without_the_resize_hook(monkeypatch):
+    monkeypatch.setattr(MemoryTracker, "_resized", lambda self, st: None)  # the tracker before the hook
+    tracked, allocator = peaks_vs_allocator(resize_in_place)
+    assert tracked == 48 * 2**20  # the freed 16 MiB still counted, the regrown 32 MiB never
     assert tracked != pytest.approx(allocator, rel=0.02)
 
 

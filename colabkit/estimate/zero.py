@@ -52,11 +52,15 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
 
     * zero:1 (DDP, ``gradient_as_bucket_view``): the full gradients exist from the start as all-reduce
       buckets; in backward autograd's fresh gradient sits next to them until it is copied in;
-    * zero:3 (FSDP2, ``reshard_after_forward=True``): the root unit's parameters (embeddings, head, final
-      norm) are gathered for the whole forward and backward (FSDP2 keeps the root unsharded after forward),
-      a block's are gathered while it runs, and in backward the next block is prefetched (current + next:
-      two blocks). They are full-size copies beside the shards, filed under activations as the tracker
-      files them.
+    * zero:2 and zero:3 (FSDP2): in forward, each unit's flat all-gather output is kept until the next
+      all-gather (to overlap its copy-out with that collective), and the last block's until the root's
+      forward ends: one block's full size beside the activations at forward's end
+      (``FSDPParamGroup.wait_for_unshard``, ``comm_ctx.all_gather_state``);
+    * zero:3 (``reshard_after_forward=True``): besides, the root unit's parameters (embeddings, head,
+      final norm) are gathered for the whole forward and backward (FSDP2 keeps the root unsharded after
+      forward), a block's are gathered while it runs and freed after it, and in backward the next block
+      is prefetched (current + next: two blocks). zero:2's gathered copies are its parameters (P above).
+      These full-size copies sit beside the shards, filed under activations as the tracker files them.
 
     >>> t = {"breakdown": {"params": 40, "grads": 40, "optimizer": 80, "activations": 10, "other": 0},
     ...      "at_peak": {"params": 40, "grads": 40, "optimizer": 80, "activations": 0, "other": 0},
@@ -73,7 +77,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
     blocks = t.get("block_bytes") or []
     block = max(blocks, default=0)
     root = max(0, full["params"] - sum(blocks))
-    gathered = {"forward": root + block, "backward": root + 2 * block}
+    kept = blocks[-1] if blocks else 0  # the last all-gather output of forward (see above)
+    gathered = {2: {"forward": kept}, 3: {"forward": root + kept, "backward": root + 2 * block}}.get(stage, {})
     largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):
@@ -85,9 +90,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
             fresh = d["at_peak"]["grads"] if phase == "backward" else 0
             d["at_peak"]["grads"] = max(full["grads"], d["at_peak"]["grads"]) + fresh
             d["own"]["grads"] = max(d["own"]["grads"], d["at_peak"]["grads"], full["grads"] + (largest if fresh else 0))
-        if stage == 3:
-            for k in ("at_peak", "own"):
-                d[k]["activations"] += gathered.get(phase, 0)
+        for k in ("at_peak", "own"):  # zero:2/3: FSDP2's all-gathered copies in use
+            d[k]["activations"] += gathered.get(phase, 0)
         d["peak"] = sum(d["at_peak"].values())
     if t["phase_peaks"]:
         top = max(t["phase_peaks"], key=lambda p: t["phase_peaks"][p]["peak"])
