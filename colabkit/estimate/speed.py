@@ -8,7 +8,8 @@ update (memory-bound: bytes read and written per trainable parameter over the de
 PCIe traffic of ``offload:*`` and the disk traffic of ``offload:disk``, each over the figures of
 :data:`THROUGHPUT` (datasheet peaks times an achievable fraction, each with its source) -- or over what
 ``colabkit calibrate`` measured when it stored ``speed`` in the profile. On a CPU the figures are measured
-once (:func:`cpu_throughput`: a matmul and a copy), so the prediction can be checked against real steps.
+once (:func:`cpu_throughput`: a matmul, a tiny training step, copies), so the prediction can be checked
+against real steps.
 
 >>> f = count_flops("gpt-tiny", "baseline", 2, 16)["flops"]
 >>> f > 0, count_flops("gpt-tiny", "checkpoint", 2, 16)["flops"] > f   # recomputation: one more forward
@@ -95,6 +96,8 @@ class _Traffic(TorchDispatchMode):
             flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.numel() * t.element_size() for t in flat)
             self.bytes += nbytes
+            # sized by all it reads and writes, as the copy's source: a step's tensors come fresh from the
+            # allocator and from other kernels, colder than the warm buffers of a repeated copy of half the size
             size = 1 << max(12, nbytes.bit_length())
             self.by_size[size] = self.by_size.get(size, 0) + nbytes
         return out
@@ -233,7 +236,11 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
     except ValueError:
         state = 8.0
     memory = (counts["kernel_bytes"] + counts.get("state_bytes", 0)) / figs["mem_bw"]
-    if gpu is None and counts.get("kernel_sizes"):  # each kernel at the bandwidth of the cache its data fits in
+    if gpu is None and counts.get("kernel_sizes"):
+        # Each kernel at the bandwidth of the cache its data fits in: on a 2-core Xeon a copy runs at ~90 GB/s
+        # within L2 (<= 1 MiB) and ~28 GB/s beyond, so one figure for the average kernel is off for a plan whose
+        # kernels are bigger or smaller than baseline's (compress:int8's quantize/dequantize of whole activations,
+        # 1-16 MiB: predicted 1.19x baseline with the average-size figure, 1.37x with this, 1.39x measured)
         memory = (sum(nbytes / cpu_bandwidth(size) for size, nbytes in counts["kernel_sizes"])
                   + counts.get("state_bytes", 0) / figs["mem_bw"])
     terms = {"compute": counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0)),
