@@ -2,13 +2,14 @@
 on fake tensors over this CPU's measured matmul rate, copy bandwidth (per kernel size) and per-kernel cost of
 an eager training step, against real Trainer steps timed untracked and interleaved (colabkit.timing).
 
-Five plans of gpt:4x256 at batch 4 x seq 128 whose step times are well apart (adjacent ones >= ~15% in
-prediction and in measurement), each a different kind of cost: fewer matmuls (lora), more matmuls
-(checkpoint's recompute), memory-bound kernels (compress:int8's quantize/dequantize), more and smaller kernels
-plus a factored optimizer (adafactor+compress:int8+accum:4). Measured on CPU, 2 cores, torch 2.13.0+cpu
-(2026-11-26), three runs, ratio to baseline predicted / measured: lora:8 0.82 / 0.85-0.89, checkpoint
-1.20 / 1.19-1.27, compress:int8 1.37 / 1.38-1.42, adafactor+compress:int8+accum:4 1.68 / 1.58-1.77 --
-every ratio within 8% of the measured one (the test allows 25%)."""
+Five plans of gpt:4x256 at batch 4 x seq 128 whose step times are apart, each a different kind of cost:
+fewer matmuls (lora), more matmuls (checkpoint's recompute), memory-bound kernels (compress:int8's
+quantize/dequantize), more and smaller kernels plus a factored optimizer (adafactor+compress:int8+accum:4).
+Measured on CPU, 2 cores, torch 2.13.0+cpu (2026-11-26), five runs of 5-7 interleaved rounds, ratio to
+baseline predicted / measured (median): lora:8 0.82 / 0.85-0.90, checkpoint 1.20 / 1.19-1.27, compress:int8
+1.37 / 1.38-1.45, adafactor+compress:int8+accum:4 1.68 / 1.58-1.77 -- every predicted ratio within 10% of
+the measured one (the test allows 25%). Adjacent plans differ by 14-23% in prediction and 10-27% in
+measurement; the closest pair measured is lora:8 / baseline (10-18%).""""""
 from __future__ import annotations
 
 import torch
