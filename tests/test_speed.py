@@ -9,7 +9,7 @@ Measured on CPU, 2 cores, torch 2.13.0+cpu (2026-11-26), five runs of 5-7 interl
 baseline predicted / measured (median): lora:8 0.82 / 0.85-0.90, checkpoint 1.20 / 1.19-1.27, compress:int8
 1.37 / 1.38-1.45, adafactor+compress:int8+accum:4 1.68 / 1.58-1.77 -- every predicted ratio within 10% of
 the measured one (the test allows 25%). Adjacent plans differ by 14-23% in prediction and 10-27% in
-measurement; the closest pair measured is lora:8 / baseline (10-18%).""""""
+measurement; the closest pair measured is lora:8 / baseline (10-18%)."""
 from __future__ import annotations
 
 import torch
