@@ -1,6 +1,15 @@
 """Predicted step time (colabkit.estimate.speed) against measured CPU steps: FLOPs and kernel bytes counted
-on fake tensors over this CPU's measured matmul rate, copy bandwidth and dispatch cost, against real Trainer
-steps timed untracked and interleaved (colabkit.timing). Plans whose times differ clearly (>= 25%)."""
+on fake tensors over this CPU's measured matmul rate, copy bandwidth (per kernel size) and per-kernel cost of
+an eager training step, against real Trainer steps timed untracked and interleaved (colabkit.timing).
+
+Five plans of gpt:4x256 at batch 4 x seq 128 whose step times are apart, each a different kind of cost:
+fewer matmuls (lora), more matmuls (checkpoint's recompute), memory-bound kernels (compress:int8's
+quantize/dequantize), more and smaller kernels plus a factored optimizer (adafactor+compress:int8+accum:4).
+Measured on CPU, 2 cores, torch 2.13.0+cpu (2026-11-26), five runs of 5-7 interleaved rounds, ratio to
+baseline predicted / measured (median): lora:8 0.82 / 0.85-0.90, checkpoint 1.20 / 1.19-1.27, compress:int8
+1.37 / 1.38-1.45, adafactor+compress:int8+accum:4 1.68 / 1.58-1.77 -- every predicted ratio within 10% of
+the measured one (the test allows 25%). Adjacent plans differ by 14-23% in prediction and 10-27% in
+measurement; the closest pair measured is lora:8 / baseline (10-18%)."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +17,11 @@ import torch
 
 from colabkit import build_model, estimate
 from colabkit.estimate.speed import count_flops, predict_step_time
-from colabkit.timing import interleaved
+from colabkit.timing import interleaved, ratio
 from colabkit.trainer import Trainer
 
-MODEL, B, S = "gpt:4x256", 2, 64
-PLANS = ["lora:8", "baseline", "checkpoint"]  # frozen base: no weight gradients (~2/3); recompute (~4/3)
+MODEL, B, S = "gpt:4x256", 4, 128
+PLANS = ["lora:8", "baseline", "checkpoint", "compress:int8", "adafactor+compress:int8+accum:4"]  # fastest first
 
 
 def _runner(plan):
@@ -24,11 +33,15 @@ def _runner(plan):
 
 def test_predicted_step_times_rank_and_ratio_like_measured_ones():
     pred = {p: predict_step_time(MODEL, p, B, S)["step_time_s"] for p in PLANS}
-    meas = interleaved({p: _runner(p) for p in PLANS}, warmup=1, repeats=5)
-    assert sorted(PLANS, key=pred.get) == sorted(PLANS, key=lambda p: meas[p].median) == PLANS
+    r_pred = {p: pred[p] / pred["baseline"] for p in PLANS}
+    # ratios: the median of the per-round ratios (each round runs every plan back to back: a burst of load on
+    # the shared machine hits all of them)
+    meas = interleaved({p: _runner(p) for p in PLANS}, warmup=1, repeats=7)
+    r_meas = {p: ratio(meas, p, "baseline") for p in PLANS}
+    assert sorted(PLANS, key=r_pred.get) == PLANS, r_pred
+    assert sorted(PLANS, key=r_meas.get) == PLANS, r_meas
     for p in PLANS:
-        r_pred, r_meas = pred[p] / pred["baseline"], meas[p].median / meas["baseline"].median
-        assert abs(r_pred / r_meas - 1) <= 0.25, (p, r_pred, r_meas)
+        assert abs(r_pred[p] / r_meas[p] - 1) <= 0.25, (p, r_pred[p], r_meas[p])
 
 
 def test_flops_follow_the_textbook_count():
@@ -60,7 +73,15 @@ def test_deep_gpt_counts_are_extrapolated_exactly(plan, monkeypatch):
 
     cfg = gpt_config("gpt:5x64", dropout=0.0)
     full = speed._count(gpt_builder(cfg), plan, 2, 32)
-    assert speed._flops(gpt_builder(cfg), plan, 2, 32) == full
+    ext = speed._flops(gpt_builder(cfg), plan, 2, 32)
+    assert ext[:4] == full[:4]  # FLOPs, kernels, bytes, trainable parameters: exact
+    # bytes by kernel size: a kernel over all parameters (the fused optimizer's) changes size bucket with depth,
+    # so the buckets are approximate; the time the CPU model gives them is what must hold
+    assert sum(b for _, b in ext[4]) == sum(b for _, b in full[4])
+
+    def seconds(sizes):
+        return sum(b / speed.cpu_bandwidth(k) for k, b in sizes)
+    assert abs(seconds(ext[4]) / seconds(full[4]) - 1) < 0.05  # measured <= 2.3% (gpt:5x64)
     shallow = speed._count(gpt_builder(gpt_config("gpt:3x64", dropout=0.0)), plan, 2, 32)
     assert shallow[0] < 0.8 * full[0]
     calls = []

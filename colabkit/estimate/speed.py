@@ -8,7 +8,8 @@ update (memory-bound: bytes read and written per trainable parameter over the de
 PCIe traffic of ``offload:*`` and the disk traffic of ``offload:disk``, each over the figures of
 :data:`THROUGHPUT` (datasheet peaks times an achievable fraction, each with its source) -- or over what
 ``colabkit calibrate`` measured when it stored ``speed`` in the profile. On a CPU the figures are measured
-once (:func:`cpu_throughput`: a matmul and a copy), so the prediction can be checked against real steps.
+once (:func:`cpu_throughput`: a matmul, a tiny training step, copies), so the prediction can be checked
+against real steps.
 
 >>> f = count_flops("gpt-tiny", "baseline", 2, 16)["flops"]
 >>> f > 0, count_flops("gpt-tiny", "checkpoint", 2, 16)["flops"] > f   # recomputation: one more forward
@@ -73,17 +74,19 @@ def _compute_plan(plan: Plan) -> str:
 
 class _Traffic(TorchDispatchMode):
     """Counts what the FLOP counter leaves out: every kernel launched (``ops``) and the bytes the kernels that
-    are not matmuls read and write (``bytes``: elementwise, norms, softmax, the optimizer's update)."""
+    are not matmuls read and write (``bytes``: elementwise, norms, softmax, the optimizer's update), also
+    by the kernel's size (``by_size``: power of two -> bytes; a CPU moves them at its cache's speed)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.bytes, self.attention_flops = 0, 0, 0
+        self.by_size: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func in _FREE:
+        if func.is_view or func in _FREE or func.namespace == "prim":  # prim.device & co: metadata, no kernel
             return out
         self.ops += 1
         if func.overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu:  # the counter has no CPU formula
@@ -92,7 +95,12 @@ class _Traffic(TorchDispatchMode):
             self.attention_flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
         if func.overloadpacket not in _MATMULS:
             flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in flat)
+            nbytes = sum(t.numel() * t.element_size() for t in flat)
+            self.bytes += nbytes
+            # sized by all it reads and writes, as the copy's source: a step's tensors come fresh from the
+            # allocator and from other kernels, colder than the warm buffers of a repeated copy of half the size
+            size = 1 << max(12, nbytes.bit_length())
+            self.by_size[size] = self.by_size.get(size, 0) + nbytes
         return out
 
 
@@ -104,8 +112,9 @@ _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
 _FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
 
 
-def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
-    """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters) of one step, cached
+def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int, tuple]:
+    """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters, those bytes by kernel
+    size as (power of two, bytes) pairs) of one step, cached
     per model shape (a name, or a GPT config: the planner's builders are new functions for one shape). A GPT
     deeper than the trace's :data:`~.trace.DEPTHS` is counted at those depths and extrapolated: every block
     runs the same kernels, so each count is affine in depth (as the memory trace's phases are)."""
@@ -116,13 +125,18 @@ def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[i
         return _counted(key, model_fn, plan, batch, seq)
     d2, d3 = (_counted(repr(replace(cfg, n_layer=d)), gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq)
               for d in DEPTHS)
-    return tuple(a + (cfg.n_layer - DEPTHS[0]) * (b - a) // (DEPTHS[1] - DEPTHS[0]) for a, b in zip(d2, d3))
+    def at_depth(a: int, b: int) -> int:
+        return a + (cfg.n_layer - DEPTHS[0]) * (b - a) // (DEPTHS[1] - DEPTHS[0])
+
+    s2, s3 = dict(d2[4]), dict(d3[4])
+    sizes = tuple((k, at_depth(s2.get(k, 0), s3.get(k, 0))) for k in sorted(s2.keys() | s3.keys()))
+    return (*(at_depth(a, b) for a, b in zip(d2[:4], d3[:4])), tuple((k, v) for k, v in sizes if v))
 
 
-_COUNTS: dict[tuple, tuple[int, int, int, int]] = {}
+_COUNTS: dict[tuple, tuple] = {}
 
 
-def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
+def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple:
     """:func:`_flops` of one model as built, counted once per process (``key``: the cache's name for its
     shape; ``model_fn`` itself is not part of the key)."""
     k = (key, plan, batch, seq)
@@ -133,7 +147,7 @@ def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int
     return _COUNTS[k]
 
 
-def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int]:
+def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
@@ -142,7 +156,8 @@ def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[i
         with FlopCounterMode(display=False) as counter, _Traffic() as traffic:
             trainer.step(x, x)
         n = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return int(counter.get_total_flops()) + traffic.attention_flops, traffic.ops, traffic.bytes, n
+    return (int(counter.get_total_flops()) + traffic.attention_flops, traffic.ops, traffic.bytes, n,
+            tuple(sorted(traffic.by_size.items())))
 
 
 def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, params: int | None = None,
@@ -157,18 +172,18 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
     why = "bitsandbytes kernels read tensor data"
     if plan.optimizer not in NO_FAKE_OPTIMIZERS:  # known not to run on fake tensors: not tried (nor imported)
         try:
-            f, ops, nbytes, _ = _flops(model_fn, compute, batch, seq)
-            return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": 0}
+            f, ops, nbytes, _, sizes = _flops(model_fn, compute, batch, seq)
+            return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": 0, "kernel_sizes": sizes}
         except Exception as err:  # noqa: BLE001  (a kernel the fake tensors cannot run)
             why = type(err).__name__
     try:
         sgd = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
                           for t in Plan.parse(compute).tokens] + ([] if plan.optimizer_token in compute else ["sgd"]))
-        f, ops, nbytes, n = _flops(model_fn, str(sgd), batch, seq)
+        f, ops, nbytes, n, sizes = _flops(model_fn, str(sgd), batch, seq)
         state = int(2 * n * state_bytes_per_param(plan.optimizer_token))
         if notes is not None:
             notes.append(f"step time: {plan.optimizer_token} counted as SGD plus its state read and written ({why})")
-        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state}
+        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state, "kernel_sizes": sizes}
     except Exception as err:  # noqa: BLE001
         if params is None:
             raise
@@ -180,15 +195,24 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
 @functools.lru_cache(maxsize=1)
 def cpu_throughput() -> dict[str, Any]:
     """This CPU's figures, measured once with :func:`colabkit.timing.time_fn` (process time: robust to other
-    processes on a shared machine): matmul FLOP/s (256^3 fp32), and the cost of one small kernel (an add of
-    64 floats: PyTorch's dispatch, what a GPU's kernel launch is). Bandwidth: :func:`cpu_bandwidth`."""
+    processes on a shared machine): matmul FLOP/s (256^3 fp32), and the cost of one small kernel in an eager
+    training step (what a GPU's kernel launch is). Bandwidth: :func:`cpu_bandwidth`.
+
+    The kernel's cost is taken from a training step of a tiny model (20 ``Linear(8, 8)`` + GELU, forward and
+    backward) over the kernels :class:`_Traffic` counts in it -- not from a bare ``torch.add``: in a step
+    each kernel also pays the Module call, autograd recording its node in forward and the engine running
+    it in backward, ~8 us against ~1 us for a bare add on a 2-core Xeon (2026-11-26)."""
     n = 256
     a, b = torch.randn(n, n), torch.randn(n, n)
     mm = time_fn(lambda: [a @ b for _ in range(8)], warmup=1, repeats=5).median / 8
-    x, y = torch.randn(64), torch.randn(64)
-    launch = time_fn(lambda: [torch.add(x, y) for _ in range(200)], warmup=1, repeats=5).median / 200
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(20)])
+    x = torch.randn(2, 8)  # (B, D): no kernel has work to speak of
+    with _Traffic() as kernels:
+        layers(x).sum().backward()
+    launch = time_fn(lambda: layers(x).sum().backward(), warmup=2, repeats=7).median / kernels.ops
     return {"fp32": 2 * n**3 / mm, "fp16": None, "bf16": None, "launch_s": launch, "pcie": None, "disk": None,
-            "source": f"measured on this CPU: {n}x{n} fp32 matmul, 64-float add, copies the size of the step's kernels"}
+            "source": f"measured on this CPU: {n}x{n} fp32 matmul, a tiny model's training step per kernel, "
+                      "copies the size of the step's kernels"}
 
 
 @functools.lru_cache(maxsize=32)
@@ -244,8 +268,16 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
         state = state_bytes_per_param(plan.optimizer_token)
     except ValueError:
         state = 8.0
+    memory = (counts["kernel_bytes"] + counts.get("state_bytes", 0)) / figs["mem_bw"]
+    if gpu is None and counts.get("kernel_sizes"):
+        # Each kernel at the bandwidth of the cache its data fits in: on a 2-core Xeon a copy runs at ~90 GB/s
+        # within L2 (<= 1 MiB) and ~28 GB/s beyond, so one figure for the average kernel is off for a plan whose
+        # kernels are bigger or smaller than baseline's (compress:int8's quantize/dequantize of whole activations,
+        # 1-16 MiB: predicted 1.19x baseline with the average-size figure, 1.37x with this, 1.39x measured)
+        memory = (sum(nbytes / cpu_bandwidth(size) for size, nbytes in counts["kernel_sizes"])
+                  + counts.get("state_bytes", 0) / figs["mem_bw"])
     terms = {"compute": counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0)),
-             "memory": (counts["kernel_bytes"] + counts.get("state_bytes", 0)) / figs["mem_bw"],
+             "memory": memory,
              "launches": counts["kernels"] * figs["launch_s"]}
     offload = set(plan.get("offload") or ())
     if offload and gpu is not None:  # PCIe: each offloaded byte goes down and comes back once per step
