@@ -117,7 +117,9 @@ def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[i
     size as (power of two, bytes) pairs) of one step, cached
     per model shape (a name, or a GPT config: the planner's builders are new functions for one shape). A GPT
     deeper than the trace's :data:`~.trace.DEPTHS` is counted at those depths and extrapolated: every block
-    runs the same kernels, so each count is affine in depth (as the memory trace's phases are)."""
+    runs the same kernels, so each count is affine in depth (as the memory trace's phases are) -- exactly for
+    FLOPs, kernels, bytes and parameters; the bytes by kernel size approximately (a kernel over all parameters,
+    the fused optimizer's, moves to a larger size bucket with depth)."""
     cfg = _gpt_of(model_fn, seq)
     key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else model_fn
     affine = (cfg is not None and cfg.n_layer > DEPTHS[1] and Plan.parse(plan).get("checkpoint") in (None, True))
