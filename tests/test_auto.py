@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from colabkit import build_model, estimate
+from colabkit import estimate
 from colabkit.__main__ import main
 from colabkit.estimate.auto import choose, run_ranked
+from tests.test_oom import _OOMOnCall  # the same injected CUDA-style OOM
 
 
 def test_auto_picks_the_fastest_plan_that_fits_gpt_tiny():
@@ -27,31 +28,16 @@ def test_auto_gpt2_xl_on_t4_picks_a_plan_predicted_to_fit():
     assert chosen["verdict"] == "fits"
 
 
-class _OOMFirstCalls(torch.nn.Module):
-    """A GPT whose first ``n`` forwards raise a CUDA-style out-of-memory (activations live)."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.gpt, self.n, self.calls = build_model("gpt:2x64"), n, 0
-
-    def forward(self, x):
-        out = self.gpt(x)
-        self.calls += 1
-        if self.calls <= self.n:
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return out
-
-
 def test_auto_falls_back_through_shrink_then_the_next_plan(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
     kw = dict(steps=1, batch=2, seq=32, device="cpu", progress=False)
-    model = _OOMFirstCalls(n=2)  # micro-batch 2 fails, shrunk to 1 fails: the first plan gives up
+    model = _OOMOnCall(n=2, upto=True)  # micro-batch 2 fails, shrunk to 1 fails: the first plan gives up
     out = run_ranked(model, {"ranked": ["accum:1", "baseline"], "why": "test"}, **kw)
     assert out["plan"] == "baseline" and model.calls == 3 and len(out["losses"]) == 1
     said = capsys.readouterr().out
     assert "retrying with micro-batch 1" in said and "accum:1 ran out of memory even after shrinking; next: baseline" in said
     with pytest.raises(torch.OutOfMemoryError):  # negative control: with no next plan the OOM reaches the caller
-        run_ranked(_OOMFirstCalls(n=2), {"ranked": ["baseline"], "why": "test"}, **kw)
+        run_ranked(_OOMOnCall(n=2, upto=True), {"ranked": ["baseline"], "why": "test"}, **kw)
 
 
 @pytest.mark.slow  # the choice: test_auto_picks_the_fastest_plan_that_fits_gpt_tiny; the fallback: the test above

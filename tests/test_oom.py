@@ -14,16 +14,17 @@ from colabkit.train import train
 
 
 class _OOMOnCall(torch.nn.Module):
-    """A GPT that raises a CUDA-style OOM at the end of its n-th forward (activations are live)."""
+    """A GPT that raises a CUDA-style OOM at the end of its n-th forward (``upto``: of each of its first n);
+    activations are live when it raises."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, upto: bool = False):
         super().__init__()
-        self.gpt, self.n, self.calls = build_model("gpt:2x64"), n, 0
+        self.gpt, self.n, self.upto, self.calls = build_model("gpt:2x64"), n, upto, 0
 
     def forward(self, x):
         out = self.gpt(x)
         self.calls += 1
-        if self.calls == self.n:
+        if self.calls == self.n or (self.upto and self.calls < self.n):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         return out
 
