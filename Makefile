@@ -20,5 +20,5 @@ PYTEST = COLABKIT_SMOKE=1 OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -rs -n 2 --di
 test: setup
 	$(PYTEST) --nbval-lax --nbval-current-env --durations=20 colabkit tests notebooks
 
-test-fast:
+test-fast: setup
 	$(PYTEST) -m "not slow and not browser" colabkit tests
