@@ -224,10 +224,23 @@ def test_drive_dir_colab_mounts_once(tmp_path, monkeypatch, capsys):
     assert len(calls) == 1
 
 
+def _trained_and_resumed(make, data, folder: str):
+    """``a = make(0)`` trained 3 steps and checkpointed into ``folder``; ``b = make(1)`` (other initial weights:
+    everything must come from the checkpoint) loaded from it."""
+    from colabkit.checkpoints import load_trainer, save_trainer
+
+    a = make(0)
+    for s in range(3):
+        a.step(*data.batch(4, 32, step=s))
+    save_trainer(a, folder)
+    b = make(1)
+    load_trainer(b, folder)
+    return a, b
+
+
 def test_exact_resume_offloaded_optimizer(tmp_path):
     """offload:optimizer's HostOptimizer (CPU, unpinned: the arithmetic the GPU path runs) resumes exactly."""
     from colabkit import TextData, Trainer, build_model, weights_sha256
-    from colabkit.checkpoints import load_trainer, save_trainer
     from colabkit.plan import param_groups
     from colabkit.techniques.offload import HostOptimizer
 
@@ -238,12 +251,7 @@ def test_exact_resume_offloaded_optimizer(tmp_path):
         return t
 
     data = TextData()
-    a = make(0)
-    for s in range(3):
-        a.step(*data.batch(4, 32, step=s))
-    save_trainer(a, str(tmp_path))
-    b = make(1)  # other initial weights: everything must come from the checkpoint
-    load_trainer(b, str(tmp_path))
+    a, b = _trained_and_resumed(make, data, str(tmp_path))
     for s in range(3, 6):
         a.step(*data.batch(4, 32, step=s))
         b.step(*data.batch(4, 32, step=s))
@@ -254,7 +262,7 @@ def test_exact_resume_restores_the_grad_scaler(tmp_path):
     """fp16's GradScaler resumes with its scale and growth tracker: the scale (doubling every step here) sets how
     fp16 gradients round, so a resume that restarted the scaler would step differently (the negative control)."""
     from colabkit import TextData, Trainer, build_model, weights_sha256
-    from colabkit.checkpoints import load_trainer, save_trainer
+    from colabkit.checkpoints import load_trainer
 
     def make(seed):
         torch.manual_seed(seed)
@@ -263,12 +271,8 @@ def test_exact_resume_restores_the_grad_scaler(tmp_path):
         return t
 
     data = TextData()
-    a = make(0)
-    for s in range(3):
-        a.step(*data.batch(4, 32, step=s))
-    save_trainer(a, str(tmp_path))
-    b, fresh = make(1), make(1)  # other initial weights: everything must come from the checkpoint
-    load_trainer(b, str(tmp_path))
+    a, b = _trained_and_resumed(make, data, str(tmp_path))
+    fresh = make(1)
     load_trainer(fresh, str(tmp_path))
     fresh.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
     assert b.scaler.state_dict() == a.scaler.state_dict() and a.scaler.get_scale() == 2.0 ** 13
