@@ -456,6 +456,11 @@ class MemoryTracker:
             self._sample(name, cuda_peak)
             self._phase = prev
 
+    @property
+    def current_phase(self) -> str:
+        """The label new allocations get now (``forward``, ``backward``, ``optimizer``, ``setup``)."""
+        return self._phase
+
     def set_step(self, step: int) -> None:
         self._step = step
         self._fold()

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..memory import _storages, tensors_in
 from ..techniques.optimizers import AdamW4bit
+from .counting import Traffic, add_replayed
 
 # Optimizers whose step updates each parameter from its own gradient and state, one after another, with
 # nothing shared between parameters (torch's single-tensor paths: the default for CPU tensors).
@@ -50,6 +51,7 @@ class StepProfile:
     those no other point exceeds in both."""
     state: tuple[int, ...]
     steps: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
+    kernels: tuple = ()  # per step (t = 0, 1): (kernels, bytes, bytes by size) the real step ran (.counting)
 
     @property
     def state_bytes(self) -> int:
@@ -116,9 +118,7 @@ def _points(events: list[tuple[int, int]], state_keys: set[int], state: list[int
             scratch -= size.pop(key)
     if not points or points[-1][0] != len(state):
         points.append((len(state), 0))
-    # keep the points that no other point exceeds in both state and scratch (those set every peak)
-    keep = [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
-    return tuple(dict.fromkeys(keep))
+    return _frontier(points)
 
 
 _PROFILES: dict[tuple, StepProfile] = {}
@@ -173,12 +173,13 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool
                 twins.append(dict(g, params=ps))  # the caller's hyperparameters, fresh parameters
         opt.param_groups = twins
         state: list[int] = []
-        steps = []
+        steps, kernels = [], []
         try:
             for _ in range(2):
                 rec = _Recorder(alloc_round)
-                with fake, rec:
+                with fake, rec, Traffic() as traffic:
                     type(opt).step(opt)
+                kernels.append(traffic.snapshot())
                 keys = {rec.live[id(s)] for g in twins for q in g["params"]
                         for t in tensors_in(opt.state.get(q, {})) for s in _storages(t) if id(s) in rec.live}
                 steps.append(_points(rec.events, keys, state))
@@ -189,7 +190,7 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool
                     opt.state.pop(q, None)
     if len(_PROFILES) >= PROFILES_KEPT:  # a long session (largest's bisection): start over rather than grow
         _PROFILES.clear()
-    _PROFILES[key] = prof = StepProfile(tuple(state), tuple(steps))
+    _PROFILES[key] = prof = StepProfile(tuple(state), tuple(steps), tuple(kernels))
     return prof
 
 
@@ -230,11 +231,121 @@ def prefill(opt: Any, alloc_round: int = 1) -> bool:
     return True
 
 
+def optimizer_for(plan: Any, lr: float, groups: list[tuple[float, list[tuple[tuple[int, ...], torch.dtype]]]]) -> Any:
+    """The optimizer ``plan`` makes for parameter groups described as ``(weight decay, [(shape, dtype)])`` (the
+    Trainer's ``param_groups``) with learning rate ``lr``, on fake parameters; None when its step cannot be
+    replayed (:data:`REPLAYABLE`)."""
+    from ..env import env
+    from ..plan import REGISTRY, Context
+
+    key = (plan.optimizer_token, plan.get("sgd"), lr, tuple((wd, tuple(shapes)) for wd, shapes in groups))
+    if key in _MADE:
+        return _MADE[key]
+    if len(_MADE) >= PROFILES_KEPT:
+        _MADE.clear()
+    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
+        made = [{"params": [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes],
+                 "weight_decay": wd} for wd, shapes in groups]
+        opt = REGISTRY[plan.optimizer].make_optimizer(made, plan, Context(device=torch.device("cpu"), env=env(), lr=lr))
+    _MADE[key] = opt if type(opt) in REPLAYABLE else None
+    return _MADE[key]
+
+
+_MADE: dict[tuple, Any] = {}  # optimizer_for's optimizers (of fake parameters), per token, momentum, lr and groups
+
+
+def call_profile(opt: Any, call: list[tuple[int, list[int]]], alloc_round: int = 1, whole: bool = False) -> StepProfile:
+    """The profile of ``opt.step()`` shown the parameters ``call`` names (group index, parameter indices):
+    all of them for a plain step, one for a fused-step hook; gradients as backward makes them. A step over
+    many parameters is composed from one-parameter profiles (:func:`compose`) where the optimizer's step is
+    separable (:func:`_separable`), else (or with ``whole``) profiled whole."""
+    groups = opt.param_groups
+    if not whole and sum(len(pis) for _, pis in call) > 4 and (per_call := _separable(opt, call, alloc_round)) is not None:
+        return compose([call_profile(opt, [(gi, [pi])], alloc_round) for gi, pis in call for pi in pis], per_call)
+    opt.param_groups = [dict(groups[gi], params=[groups[gi]["params"][pi] for pi in pis]) for gi, pis in call]
+    try:
+        return profile(opt, alloc_round, assume_grads=True)
+    finally:
+        opt.param_groups = groups
+
+
+def compose(profs: list[StepProfile], per_call: int = 0) -> StepProfile:
+    """The profile of one step over several parameters from each parameter's own, for an optimizer that steps
+    them one after another and keeps nothing of one parameter's update alive into the next one's: the state
+    storages in order; at each local peak of the first step, the state of the parameters before plus those
+    made so far; in a later step, all of the state. Kernels add up, less ``per_call`` for each parameter but
+    the first (what a step launches once whatever its parameters: a step counter, buffers).
+
+    >>> a = StepProfile((8, 8), (((1, 9), (2, 6)), ((2, 6),)), ((3, 10, (), 0), (2, 10, (), 0)))
+    >>> c = compose([a, a], per_call=1); c.state, c.steps, c.kernels[1][:2]
+    ((8, 8, 8, 8), (((3, 9), (4, 6)), ((4, 6),)), (3, 20))
+    """
+    state: list[int] = []
+    first, later = [], []
+    for p in profs:
+        first += [(len(state) + k, x) for k, x in p.steps[0]]
+        state += p.state
+    later = [(len(state), x) for p in profs for _, x in p.steps[1]]
+    kernels = []
+    for t in range(2):
+        sizes: dict[int, int] = {}
+        for p in profs:
+            for k, v in p.kernels[t][2]:
+                sizes[k] = sizes.get(k, 0) + v
+        kernels.append((sum(p.kernels[t][0] for p in profs) - per_call * (len(profs) - 1),
+                        sum(p.kernels[t][1] for p in profs), tuple(sorted(sizes.items())),
+                        sum(p.kernels[t][3] for p in profs)))
+    return StepProfile(tuple(state), (_frontier(first), _frontier(later)), tuple(kernels))
+
+
+def _frontier(points: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The points no other point exceeds in both state and scratch (those set every peak), in order."""
+    keep = [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
+    return tuple(dict.fromkeys(keep))
+
+
+_SEPARABLE: dict[tuple, int | None] = {}
+
+
+def _separable(opt: Any, call: list[tuple[int, list[int]]], alloc_round: int) -> int | None:
+    """Whether ``opt``'s step over the parameters of ``call`` is the composition of its one-parameter steps,
+    and the kernels it launches once per step (:func:`compose`'s ``per_call``); None if not. Checked against
+    the real step over a few of the parameters and over two -- the state, a later step's peaks, whether the
+    first step is dominated, the kernels' bytes, sizes and FLOPs must compose exactly, and the kernel count
+    with one ``per_call`` for both; cached per class, rounding, hyperparameters and the call's shapes."""
+    groups = opt.param_groups
+    key = (type(opt), alloc_round, tuple((_hyper(groups[gi]), tuple(tuple(groups[gi]["params"][pi].shape) for pi in pis))
+                                         for gi, pis in call))
+    if key not in _SEPARABLE:
+        if len(_SEPARABLE) >= PROFILES_KEPT:
+            _SEPARABLE.clear()
+        # the first two of the first group, the first of the next (a change of group) and the largest (state or
+        # buffers a step keeps across its parameters show after a smaller one), in the call's order
+        numel = {(gi, pi): groups[gi]["params"][pi].numel() for gi, pis in call for pi in pis}
+        picked = {(call[0][0], pi) for pi in call[0][1][:2]} | {(gi, pis[0]) for gi, pis in call[1:2]} | {max(numel, key=numel.get)}
+        many = [(gi, [pi for pi in pis if (gi, pi) in picked]) for gi, pis in call]
+        found = []
+        for sample in ([(gi, pis) for gi, pis in many if pis], [(call[0][0], call[0][1][:2])]):
+            n = sum(len(pis) for _, pis in sample)
+            whole = call_profile(opt, sample, alloc_round, whole=True)
+            parts = compose([call_profile(opt, [(gi, [pi])], alloc_round) for gi, pis in sample for pi in pis])
+            dominated = [max(x for _, x in p.steps[0]) <= max(x for _, x in p.steps[1]) for p in (whole, parts)]
+            per_call, left = divmod(parts.kernels[1][0] - whole.kernels[1][0], max(1, n - 1))
+            same = (whole.state == parts.state and whole.steps[1] == parts.steps[1] and dominated[0] == dominated[1]
+                    and whole.kernels[1][1:] == parts.kernels[1][1:] and not left and n > 1)
+            found.append(per_call if same else None)
+        _SEPARABLE[key] = found[0] if found[0] is not None and found[0] == found[1] else None
+    return _SEPARABLE[key]
+
+
 def install(opt: Any, alloc_round: int = 1) -> bool:
     """Replace ``opt.step`` (the innermost optimizer: a fused-step wrapper's ``.optimizer``) by its replay;
-    False (nothing changed) when its class is not in :data:`REPLAYABLE` or it runs a multi-tensor path."""
+    False (nothing changed) when its class is not in :data:`REPLAYABLE`, or under a fused-step wrapper when it
+    runs a multi-tensor path (foreach, fused). A plain multi-tensor step is profiled over the whole parameter
+    list like any plain step: what it creates and frees is recorded as the real kernel makes it."""
     inner = getattr(opt, "optimizer", opt)
-    if type(inner) not in REPLAYABLE or any(g.get("foreach") or g.get("fused") for g in inner.param_groups):
+    multi = any(g.get("foreach") or g.get("fused") for g in inner.param_groups)
+    if type(inner) not in REPLAYABLE or (multi and inner is not opt):  # fused-step steps one tensor per call
         return False
 
     def step(closure=None):
@@ -251,6 +362,7 @@ def install(opt: Any, alloc_round: int = 1) -> bool:
         later = any(inner.state[p].get("replayed_steps") for p in params)
         for p in params:
             inner.state[p]["replayed_steps"] = inner.state[p].get("replayed_steps", 0) + 1
+        add_replayed(prof.kernels[1 if later else 0])  # what the real step's kernels move, for the step time
         for n_state, scratch in prof.steps[1 if later else 0]:
             while len(held) < n_state:
                 held.append(torch.empty(prof.state[len(held)], dtype=torch.uint8, device=params[0].device))

@@ -23,13 +23,12 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..plan import REGISTRY, Plan
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import time_fn
 from ..trainer import Trainer
+from .counting import Traffic, affine, compute_plan, counting, sgd_plan
 from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, gpt_builder
 
 # Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
@@ -60,58 +59,6 @@ THROUGHPUT["h100-80gb"] = THROUGHPUT["h100"]
 ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4}
 UNCERTAINTY = 0.3  # +-30%: the achievable fraction's spread
 HOST_BYTES_PER_S = 5e9  # assumed: a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step)
-# Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
-_NOT_COMPUTE = ("offload", "zero")
-
-
-def _compute_plan(plan: Plan) -> str:
-    """The tokens that change the kernels of a step (qlora runs as lora: its 4-bit kernels cannot run on fake
-    tensors; a paged optimizer as the unpaged one)."""
-    keep = [t.replace("qlora", "lora", 1).replace("paged-", "", 1) for t in plan.tokens
-            if t.partition(":")[0] not in _NOT_COMPUTE and t not in ("attention:efficient", "attention:flash")]
-    return "+".join(keep) or "baseline"
-
-
-class _Traffic(TorchDispatchMode):
-    """Counts what the FLOP counter leaves out: every kernel launched (``ops``) and the bytes the kernels that
-    are not matmuls read and write (``bytes``: elementwise, norms, softmax, the optimizer's update), also
-    by the kernel's size (``by_size``: power of two -> bytes; a CPU moves them at its cache's speed)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.bytes, self.attention_flops = 0, 0, 0
-        self.by_size: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or func in _FREE or func.namespace == "prim":  # prim.device & co: metadata, no kernel
-            return out
-        self.ops += 1
-        if func.overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu:  # the counter has no CPU formula
-            self.attention_flops += sdpa_flop_count(*(a.shape for a in args[:3]))
-        elif func.overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            self.attention_flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
-        if func.overloadpacket not in _MATMULS:
-            flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            nbytes = sum(t.numel() * t.element_size() for t in flat)
-            self.bytes += nbytes
-            # sized by all it reads and writes, as the copy's source: a step's tensors come fresh from the
-            # allocator and from other kernels, colder than the warm buffers of a repeated copy of half the size
-            size = 1 << max(12, nbytes.bit_length())
-            self.by_size[size] = self.by_size.get(size, 0) + nbytes
-        return out
-
-
-_aten = torch.ops.aten
-_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
-            _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_efficient_attention,
-            _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
-            _aten._scaled_dot_product_efficient_attention_backward, _aten._scaled_dot_product_flash_attention_backward}
-_FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
-
-
 def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int, tuple]:
     """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters, those bytes by kernel
     size as (power of two, bytes) pairs) of one step, cached
@@ -122,17 +69,12 @@ def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[i
     the fused optimizer's, moves to a larger size bucket with depth)."""
     cfg = _gpt_of(model_fn, seq)
     key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else model_fn
-    affine = (cfg is not None and cfg.n_layer > DEPTHS[1] and Plan.parse(plan).get("checkpoint") in (None, True))
-    if not affine:
+    deep = cfg is not None and cfg.n_layer > DEPTHS[1] and Plan.parse(plan).get("checkpoint") in (None, True)
+    if not deep:
         return _counted(key, model_fn, plan, batch, seq)
     d2, d3 = (_counted(repr(replace(cfg, n_layer=d)), gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq)
               for d in DEPTHS)
-    def at_depth(a: int, b: int) -> int:
-        return a + (cfg.n_layer - DEPTHS[0]) * (b - a) // (DEPTHS[1] - DEPTHS[0])
-
-    s2, s3 = dict(d2[4]), dict(d3[4])
-    sizes = tuple((k, at_depth(s2.get(k, 0), s3.get(k, 0))) for k in sorted(s2.keys() | s3.keys()))
-    return (*(at_depth(a, b) for a, b in zip(d2[:4], d3[:4])), tuple((k, v) for k, v in sizes if v))
+    return affine(d2, d3, cfg.n_layer, DEPTHS)
 
 
 _COUNTS: dict[tuple, tuple] = {}
@@ -150,48 +92,45 @@ def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int
 
 
 def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple:
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FakeTensorMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
         trainer = Trainer(_build(model_fn, seq), Plan.parse(plan), device="cpu")
         x = torch.randint(0, 256, (batch, seq))  # (B, S) ids: only shapes matter
-        with FlopCounterMode(display=False) as counter, _Traffic() as traffic:
+        trainer.step(x, x)  # the first step also creates the optimizer's state: a later step is what repeats
+        with counting() as c:
             trainer.step(x, x)
-        n = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    return (int(counter.get_total_flops()) + traffic.attention_flops, traffic.ops, traffic.bytes, n,
-            tuple(sorted(traffic.by_size.items())))
+        return c.result(sum(p.numel() for p in trainer.model.parameters() if p.requires_grad))
 
 
 def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, params: int | None = None,
-                notes: list[str] | None = None) -> dict[str, Any]:
+                notes: list[str] | None = None, traced: dict[str, Any] | None = None) -> dict[str, Any]:
     """What one optimizer step runs, counted on fake tensors: ``flops`` (forward, backward, recomputation),
     ``kernels`` launched and ``kernel_bytes`` the non-matmul kernels move; cached per model, shape and the
     plan's compute tokens. An optimizer that cannot run on fake tensors (bitsandbytes) is counted as SGD plus
     its state read and written once (``state_bytes``); where the step cannot run at all, 6 x ``params`` x
-    tokens FLOPs (Kaplan et al. 2020). Both are said in ``notes``."""
+    tokens FLOPs (Kaplan et al. 2020). Both are said in ``notes``. ``traced``: a memory trace
+    (:func:`~.trace.trace`) whose step counted the same compute plan: its counts are taken, no step runs again."""
     plan = Plan.parse(plan)
-    compute = _compute_plan(plan)
+    compute = compute_plan(plan)
+    fake_ok = plan.optimizer not in NO_FAKE_OPTIMIZERS  # known not to run on fake tensors: not tried (nor imported)
     why = "bitsandbytes kernels read tensor data"
-    if plan.optimizer not in NO_FAKE_OPTIMIZERS:  # known not to run on fake tensors: not tried (nor imported)
+    for want in ([compute] if fake_ok else []) + [sgd_plan(compute, plan.optimizer_token)]:
         try:
-            f, ops, nbytes, _, sizes = _flops(model_fn, compute, batch, seq)
-            return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": 0, "kernel_sizes": sizes}
+            if traced is not None and traced.get("counts") is not None and traced.get("counted_plan") == want:
+                f, ops, nbytes, n, sizes = traced["counts"]
+            else:
+                f, ops, nbytes, n, sizes = _flops(model_fn, want, batch, seq)
         except Exception as err:  # noqa: BLE001  (a kernel the fake tensors cannot run)
             why = type(err).__name__
-    try:
-        sgd = Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t)
-                          for t in Plan.parse(compute).tokens] + ([] if plan.optimizer_token in compute else ["sgd"]))
-        f, ops, nbytes, n, sizes = _flops(model_fn, str(sgd), batch, seq)
-        state = int(2 * n * state_bytes_per_param(plan.optimizer_token))
-        if notes is not None:
+            continue
+        state = 0 if want == compute else int(2 * n * state_bytes_per_param(plan.optimizer_token))
+        if state and notes is not None:
             notes.append(f"step time: {plan.optimizer_token} counted as SGD plus its state read and written ({why})")
         return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state, "kernel_sizes": sizes}
-    except Exception as err:  # noqa: BLE001
-        if params is None:
-            raise
-        if notes is not None:
-            notes.append(f"step time: FLOPs from 6 x parameters x tokens ({type(err).__name__} under the counter)")
-        return {"flops": 6 * params * batch * seq, "kernels": 0, "kernel_bytes": 0, "state_bytes": 0}
+    if params is None:
+        raise RuntimeError(f"the step of {plan} cannot be counted on fake tensors ({why})")
+    if notes is not None:
+        notes.append(f"step time: FLOPs from 6 x parameters x tokens ({why} under the counter)")
+    return {"flops": 6 * params * batch * seq, "kernels": 0, "kernel_bytes": 0, "state_bytes": 0}
 
 
 @functools.lru_cache(maxsize=1)
@@ -201,7 +140,7 @@ def cpu_throughput() -> dict[str, Any]:
     training step (what a GPU's kernel launch is). Bandwidth: :func:`cpu_bandwidth`.
 
     The kernel's cost is taken from a training step of a tiny model (20 ``Linear(8, 8)`` + GELU, forward and
-    backward) over the kernels :class:`_Traffic` counts in it -- not from a bare ``torch.add``: in a step
+    backward) over the kernels :class:`~.counting.Traffic` counts in it -- not from a bare ``torch.add``: in a step
     each kernel also pays the Module call, autograd recording its node in forward and the engine running
     it in backward, ~8 us against ~1 us for a bare add on a 2-core Xeon (2026-11-26)."""
     n = 256
@@ -209,7 +148,7 @@ def cpu_throughput() -> dict[str, Any]:
     mm = time_fn(lambda: [a @ b for _ in range(8)], warmup=1, repeats=5).median / 8
     layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(20)])
     x = torch.randn(2, 8)  # (B, D): no kernel has work to speak of
-    with _Traffic() as kernels:
+    with Traffic() as kernels:
         layers(x).sum().backward()
     launch = time_fn(lambda: layers(x).sum().backward(), warmup=2, repeats=7).median / kernels.ops
     return {"fp32": 2 * n**3 / mm, "fp16": None, "bf16": None, "launch_s": launch, "pcie": None, "disk": None,
@@ -324,6 +263,6 @@ def predict_step_time(model_fn: Callable | str, plan: Plan | str, batch: int, se
     """
     plan = Plan.parse(plan)
     counts = count_flops(model_fn, plan, batch, seq)
-    n = _flops(model_fn, _compute_plan(plan), batch, seq)[3] if not counts["state_bytes"] else 0
+    n = _flops(model_fn, compute_plan(plan), batch, seq)[3] if not counts["state_bytes"] else 0
     r = {"plan": str(plan), "trainable_params": n, "host_bytes": 0, "disk_bytes": 0, "batch": batch, "seq": seq}
     return step_time(r, counts, gpu)

@@ -25,12 +25,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..env import GPU_PROFILES, env as _env_report, t4_rules
 from ..memory import MemoryTracker, fmt_bytes, host_side, is_host
 from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
-from ..plan import REGISTRY, Context, Plan, PlanError
+from ..plan import REGISTRY, Context, Plan, PlanError, param_groups
 from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
 from . import replay as _replay
+from .counting import affine as counting_affine, compute_plan, counting
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
@@ -272,9 +273,11 @@ def batch_shape(inputs: dict[str, Any]) -> tuple[int, int]:
 
 def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch: int, seq: int, steps: int = 2,
           alloc_round: int = 1, profile: dict | None = None, notes: list[str] | None = None,
-          inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+          inputs: dict[str, Any] | None = None, base: bool = False) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of the real Trainer on fake tensors under a tracker; its report.
-    ``inputs``: a batch description (:func:`fake_batch`) instead of (B, S) token ids.
+    ``inputs``: a batch description (:func:`fake_batch`) instead of (B, S) token ids. ``base``: the last step
+    only, with no optimizer state and a step that only notes what is live when it is called (``at_step``,
+    by category) -- what :func:`with_optimizer` completes for any plain optimizer (:func:`_traced`).
 
     >>> trace("gpt-tiny", "baseline", 2, 16)["breakdown"]["grads"] > 0
     True
@@ -289,9 +292,19 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             if _STREAM_BLOCK_GRADS[0]:
                 _stream_block_grads(trainer.model)
             run = range(steps)
+            at_step: list[tuple[str, dict[str, int], list[tuple[int, int]]]] = []
+            if base:  # forward, backward and the step's surroundings; the optimizer is added afterwards
+                inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # fused-step's: one tensor a call
+                where = {id(p): (gi, pi) for gi, g in enumerate(inner.param_groups) for pi, p in enumerate(g["params"])}
+                inner.step = lambda closure=None: at_step.append((
+                    tracker.current_phase, tracker.current(),
+                    [where[id(p)] for g in inner.param_groups for p in g["params"] if p.grad is not None]))
+                if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
+                    trainer.scaler.scale(torch.ones(()))
+                run = range(steps - 1, steps)
             # the optimizer's step replayed from profiles of the real one (same storages); and where the first
             # step is dominated by the second (it only lacks the state), the state made directly and one traced
-            if not _FULL[0] and _replay.install(trainer.optimizer, alloc_round) and steps > 1 \
+            elif not _FULL[0] and _replay.install(trainer.optimizer, alloc_round) and steps > 1 \
                     and _replay.prefill(trainer.optimizer, alloc_round):
                 if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
                     trainer.scaler.scale(torch.ones(()))
@@ -309,17 +322,24 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
                 block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(trainer.model)]
             except ValueError:
                 block_bytes = []
+            # what the plan's optimizer is made from: each group's weight decay and its parameters' shapes
+            recipe = (trainer.ctx.lr, [(g["weight_decay"], [(tuple(p.shape), p.dtype) for p in g["params"]])
+                                       for g in param_groups(trainer.model, trainer.ctx.weight_decay)])
             tracker.reset_peaks()
             for step in run:
                 trainer.step_count = step
                 tracker.set_step(step)
-                trainer.step(fake_batch(inputs, batch, seq))
+                # the last step also counted (FLOPs, kernels, bytes: the step-time prediction's input), so an
+                # estimate runs each fake step once; a replayed optimizer step adds its profiled kernels
+                with counting() if step == run[-1] else contextlib.nullcontext() as counter:
+                    trainer.step(fake_batch(inputs, batch, seq))
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
-            "block_bytes": block_bytes}
+            "block_bytes": block_bytes, "counts": counter.result(trainable), "counted_plan": compute_plan(plan),
+            **({"at_step": at_step, "recipe": recipe} if base else {})}
 
 
 _REAL_COMPUTE_DTYPE = _lora.compute_dtype
@@ -411,7 +431,9 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0])
             "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
             "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
             "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,
-            "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None}
+            "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None,
+            "counts": counting_affine(t1["counts"], t2["counts"], L, (depth, depth + 1)),
+            "counted_plan": t2["counted_plan"]}
 
 
 def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round: int, profile: dict | None,
@@ -439,13 +461,91 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
             own.append(f"trace: {cfg.n_layer} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces "
                        "(each phase's peak is affine in depth)")
         else:
-            t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
+            t = _from_base(model_fn, plan, key, steps, alloc_round, own)
+            if t is None:
+                t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
         hit = _CACHE[key] = (t, own)
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
     _CACHE.move_to_end(key)
     notes.extend(hit[1])
     return copy.deepcopy(hit[0])
+
+
+def _plain_optimizer(plan: Plan) -> bool:
+    """True when the plan's optimizer token only makes the optimizer (no model change, no wrapper, no forward
+    context) and no token but fused-step wraps it: then forward and backward do not depend on which optimizer
+    it is, and fused-step calls it one tensor at a time at the same moments whatever it is."""
+    opt = REGISTRY[plan.optimizer]
+    return (all(t.wrap_optimizer is None or t.name == "fused-step" for t in plan.techniques())
+            and all(getattr(opt, f) is None for f in ("prepare_model", "forward_context", "load_model", "wrap_optimizer")))
+
+
+def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, notes: list[str]) -> dict | None:
+    """The trace of ``plan`` from the trace of its step without the optimizer (cached per plan minus its
+    optimizer token, shared by every optimizer) completed by the optimizer's replay profiles
+    (:func:`with_optimizer`); None where that does not hold: the optimizer is wrapped, not replayable, or its
+    first step is not dominated by the later ones (then the trace runs every step)."""
+    if steps < 2 or not _plain_optimizer(plan):
+        return None
+    base_plan = Plan.parse([t for t in plan.tokens if REGISTRY[t.partition(":")[0]].group != "optimizer"] or "baseline")
+    bkey = (key[0], "base:" + str(base_plan), *key[2:])
+    hit = _CACHE.get(bkey)
+    if hit is None:
+        own: list[str] = []
+        # traced with this plan's own Trainer (its optimizer is never stepped): the same model and step
+        b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, GPU_PROFILES.get(key[6] or ""), own, base=True)
+        hit = _CACHE[bkey] = (b, own)
+    _CACHE.move_to_end(bkey)
+    t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)
+    if t is not None:
+        notes.extend(hit[1])
+        t["counted_plan"] = compute_plan(plan)
+    return t
+
+
+def with_optimizer(t: dict[str, Any], plan: Plan, alloc_round: int = 1) -> dict[str, Any] | None:
+    """A base trace (``trace(..., base=True)``) completed by ``plan``'s optimizer as the tracker would have
+    recorded it with the optimizer's step replayed (:mod:`.replay`): its state (made before the measured step)
+    lives through every phase; at each moment the step was called (``at_step``: once, or once per tensor under
+    fused-step) each of its local peaks adds its scratch, an allocation of that phase (``other``); its kernels
+    join the counts. None when the optimizer cannot be replayed or its first step is not dominated."""
+    opt = _replay.optimizer_for(plan, *t.pop("recipe"))
+    if opt is None:
+        return None
+    groups = opt.param_groups
+    each = ([[(gi, [pi])] for gi, g in enumerate(groups) for pi in range(len(g["params"]))] if "fused-step" in plan
+            else [[(gi, list(range(len(g["params"])))) for gi, g in enumerate(groups)]])
+    profs = [_replay.call_profile(opt, call, alloc_round) for call in each]  # what the prefill makes
+    if any(max(x for _, x in p.steps[0]) > max(x for _, x in p.steps[1]) for p in profs):
+        return None
+    _shift(t, "optimizer", sum(p.state_bytes for p in profs))
+    phases, state = t["phase_peaks"], sum(p.state_bytes for p in profs)
+    f, ops, nbytes, n, sizes = t["counts"]
+    sizes = dict(sizes)
+    for phase, now, stepped in t.pop("at_step"):
+        call: dict[int, list[int]] = {}
+        for gi, pi in stepped:
+            call.setdefault(gi, []).append(pi)
+        prof = _replay.call_profile(opt, sorted(call.items()), alloc_round)
+        f, ops, nbytes = f + prof.kernels[1][3], ops + prof.kernels[1][0], nbytes + prof.kernels[1][1]
+        for k, v in prof.kernels[1][2]:
+            sizes[k] = sizes.get(k, 0) + v
+        for _, scratch in prof.steps[1]:  # a later step: all of its state exists
+            if not scratch:
+                continue
+            cats = dict(now, optimizer=now["optimizer"] + state, other=now["other"] + scratch)
+            total = sum(cats.values())
+            pp = phases.setdefault(phase, {"peak": 0, "at_peak": dict(cats), "own": dict(cats)})
+            if total > pp["peak"]:
+                pp["peak"], pp["at_peak"] = total, dict(cats)
+            if total > t["peak_bytes"]:
+                t["peak_bytes"], t["at_peak"], t["peak_phase"] = total, dict(cats), phase
+            for k, v in cats.items():
+                pp["own"][k] = max(pp["own"][k], v)
+                t["breakdown"][k] = max(t["breakdown"][k], v)
+    t["counts"] = (f, ops, nbytes, n, tuple(sorted(sizes.items())))
+    return t
 
 
 def _shift(t: dict[str, Any], category: str, delta: int) -> None:

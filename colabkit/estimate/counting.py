@@ -1,0 +1,155 @@
+"""What one step runs, counted while it runs on fake tensors (:class:`Traffic`): FLOPs (by the formulas of
+torch's ``torch.utils.flop_counter``), kernels launched and the bytes the kernels that are not matmuls move.
+
+The memory trace (:mod:`.trace`) counts its own traced step this way, so an estimate runs each fake step
+once for memory and speed together; the optimizer step it replays from profiles (:mod:`.replay`) adds the
+kernels the profiled real step ran (:func:`add_replayed`). :func:`affine` extrapolates counts in depth.
+
+>>> import torch
+>>> with counting() as c:
+...     _ = torch.randn(4, 8) @ torch.randn(8, 2) + 1
+>>> flops, kernels, nbytes, _, sizes = c.result(0)
+>>> flops, kernels >= 3, nbytes > 0    # 2 x 4 x 8 x 2 FLOPs; randn, randn, mm, add
+(128, True, True)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..memory import _tensors_of
+from ..plan import REGISTRY, Plan
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
+            _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_efficient_attention,
+            _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            _aten._scaled_dot_product_efficient_attention_backward, _aten._scaled_dot_product_flash_attention_backward}
+_FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
+# Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
+_NOT_COMPUTE = ("offload", "zero")
+
+
+def compute_plan(plan: Plan) -> str:
+    """The tokens that change the kernels of a step (qlora runs as lora: its 4-bit kernels cannot run on fake
+    tensors; a paged optimizer as the unpaged one).
+
+    >>> compute_plan(Plan.parse("fp16+paged-adamw8bit+offload:optimizer"))
+    'fp16+adamw8bit'
+    """
+    keep = [t.replace("qlora", "lora", 1).replace("paged-", "", 1) for t in plan.tokens
+            if t.partition(":")[0] not in _NOT_COMPUTE and t not in ("attention:efficient", "attention:flash")]
+    return "+".join(keep) or "baseline"
+
+
+def sgd_plan(compute: str, optimizer_token: str) -> str:
+    """``compute`` with its optimizer replaced by SGD: what is counted for an optimizer whose kernels cannot
+    run on fake tensors (its state is then added as bytes read and written).
+
+    >>> sgd_plan("fp16+adamw8bit", "adamw8bit"), sgd_plan("checkpoint", "adamw")
+    ('fp16+sgd', 'checkpoint+sgd')
+    """
+    toks = Plan.parse(compute).tokens
+    return str(Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t) for t in toks]
+                          + ([] if optimizer_token in compute else ["sgd"])))
+
+
+class Traffic(TorchDispatchMode):
+    """Counts a step's kernels: ``flops`` of the matmuls and attention (torch's FLOP formulas, the registry of
+    ``FlopCounterMode``, read directly: that mode also decomposes the ops it has no formula for, which would
+    change the storages a memory trace sees), every kernel launched (``ops``) and the bytes the kernels that
+    are not matmuls read and write (``bytes``: elementwise, norms, softmax, the optimizer's update), also
+    by the kernel's size (``by_size``: power of two -> bytes; a CPU moves them at its cache's speed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.ops, self.bytes = 0, 0, 0
+        self.by_size: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func in _FREE or func.namespace == "prim":  # prim.device & co: metadata, no kernel
+            return out
+        self.ops += 1
+        packet = func.overloadpacket
+        if (formula := flop_registry.get(packet)) is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        elif packet is _aten._scaled_dot_product_flash_attention_for_cpu:  # torch has no formula for the CPU kernel
+            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif packet is _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            self.flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+        if packet not in _MATMULS:
+            outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            nbytes = sum(t.numel() * t.element_size() for t in (*_tensors_of(args, kwargs), *outs))
+            self.bytes += nbytes
+            # sized by all it reads and writes, as the copy's source: a step's tensors come fresh from the
+            # allocator and from other kernels, colder than the warm buffers of a repeated copy of half the size
+            size = 1 << max(12, nbytes.bit_length())
+            self.by_size[size] = self.by_size.get(size, 0) + nbytes
+        return out
+
+    def snapshot(self) -> tuple[int, int, tuple[tuple[int, int], ...], int]:
+        """(kernels, bytes, bytes by size, FLOPs) so far: what a replay adds back (:func:`add_replayed`)."""
+        return self.ops, self.bytes, tuple(sorted(self.by_size.items())), self.flops
+
+    def add(self, counted: tuple[int, int, tuple[tuple[int, int], ...], int]) -> None:
+        ops, nbytes, sizes, flops = counted
+        self.ops += ops
+        self.bytes += nbytes
+        self.flops += flops
+        for k, v in sizes:
+            self.by_size[k] = self.by_size.get(k, 0) + v
+
+
+_ACTIVE: list[Traffic] = []  # the Traffic of the counting() blocks open now, innermost last
+
+
+class _Counting:
+    def __init__(self):
+        self.traffic = Traffic()
+
+    def result(self, trainable: int) -> tuple[int, int, int, int, tuple[tuple[int, int], ...]]:
+        """(FLOPs, kernels, non-matmul bytes, ``trainable`` parameters, bytes by kernel size)."""
+        t = self.traffic
+        return int(t.flops), t.ops, t.bytes, trainable, tuple(sorted(t.by_size.items()))
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[_Counting]:
+    """Count FLOPs, kernels and bytes of what runs in the block (``.result(trainable)`` after it)."""
+    c = _Counting()
+    with c.traffic:
+        _ACTIVE.append(c.traffic)
+        try:
+            yield c
+        finally:
+            _ACTIVE.pop()
+
+
+def add_replayed(counted: tuple[int, int, tuple[tuple[int, int], ...], int] | None) -> None:
+    """Add the kernels of a step replayed rather than run (:mod:`.replay`) to the open :func:`counting` block."""
+    if _ACTIVE and counted is not None:
+        _ACTIVE[-1].add(counted)
+
+
+def affine(c2: tuple, c3: tuple, depth: int, depths: tuple[int, int]) -> tuple:
+    """Counts at ``depth`` from counts at ``depths`` (every block runs the same kernels: affine in depth) --
+    exactly for FLOPs, kernels, bytes and parameters; the bytes by kernel size approximately (a kernel over
+    all parameters, the fused optimizer's, moves to a larger size bucket with depth).
+
+    >>> affine((10, 2, 4, 1, ((4096, 4),)), (15, 3, 6, 2, ((4096, 6),)), 5, (2, 3))
+    (25, 5, 10, 4, ((4096, 10),))
+    """
+    lo, hi = depths
+
+    def at(a: int, b: int) -> int:
+        return a + (depth - lo) * (b - a) // (hi - lo)
+
+    s2, s3 = dict(c2[4]), dict(c3[4])
+    sizes = tuple((k, at(s2.get(k, 0), s3.get(k, 0))) for k in sorted(s2.keys() | s3.keys()))
+    return (*(at(a, b) for a, b in zip(c2[:4], c3[:4])), tuple((k, v) for k, v in sizes if v))
