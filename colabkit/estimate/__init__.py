@@ -5,7 +5,10 @@ The package, file by file:
 - :mod:`.trace`    — the real Trainer's steps traced on fake tensors under the tracker; substitutes
   for what cannot run on fake tensors (bitsandbytes kernels), listed in ``notes``;
 - :mod:`.replay`   — the optimizer step in a trace replayed from profiles of the real step (same storages);
-  traces cached per process, deep GPTs from 2- and 3-layer traces (``trace.full_trace()``: the reference);
+  traces cached per process, deep GPTs from 2- and 3-layer traces, one forward/backward per plan shared by
+  every optimizer (``trace.with_optimizer``; ``trace.full_trace()``: the reference);
+- :mod:`.counting` — FLOPs, kernels and bytes counted in the memory trace's own step (the step-time input);
+- :mod:`.speed`    — the predicted step time from those counts and a device's throughput;
 - :mod:`.formulas` — the textbook formula (bytes per parameter, Korthikanti et al.'s activations)
   and the host/GPU split of offloaded state;
 - :mod:`.overheads` — what a GPU adds to the traced tensors: CUDA context, cuBLAS workspaces, allocator
