@@ -23,7 +23,7 @@ from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
 from ..models import HUB_ALIASES, HUB_CONFIG_DIR, gpt_config, hub_config
 from ..plan import REGISTRY, Context, Plan, PlanError
-from ..techniques.disk_offload import disk_state_bytes, offload_dir, ram_window_bytes
+from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_dir, ram_window_bytes
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
@@ -264,7 +264,8 @@ def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
 def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:
     """``offload:disk``: the traced AdamW state goes to the state file; on a GPU, RAM (pinned) and per chunk
     the GPU keep :class:`~colabkit.techniques.disk_offload.DiskAdamW`'s two chunk buffers; on a CPU the
-    update runs in place on the file's mapped pages (no tensor). Returns the file's bytes."""
+    update runs in place on the file's mapped pages (no tensor: page cache, kept mapped while the file takes
+    at most 1/``RESIDENT_SHARE`` of the available RAM, else two chunks at a time). Returns the file's bytes."""
     shapes = t["trainable_shapes"]
     n = sum(math.prod(s) for s in shapes)
     window = ram_window_bytes(shapes)  # two chunks of (exp_avg, exp_avg_sq), fp32
@@ -277,7 +278,9 @@ def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:
     file_bytes = disk_state_bytes(n)
     notes.append(f"offload:disk: AdamW state in a memory-mapped file ({fmt_bytes(file_bytes)}, 8 B/param); "
                  + (f"RAM keeps two chunk buffers ({fmt_bytes(window)})" if gpu else
-                    f"updated in place on its mapped pages, at most two chunks ({fmt_bytes(window)}) at a time"))
+                    f"updated in place on its mapped pages (page cache, no anonymous copy): kept mapped while it takes "
+                    f"at most 1/{RESIDENT_SHARE} of the available RAM, else at most two chunks ({fmt_bytes(window)}) "
+                    "at a time"))
     return file_bytes
 
 

@@ -1,27 +1,35 @@
-"""``offload:disk``: AdamW's state lives in a memory-mapped file, streamed chunk by chunk.
+"""``offload:disk``: AdamW's state lives in a memory-mapped file, updated in place or streamed chunk by chunk.
 
 The two Adam moments (8 B per parameter) sit in one file in ``COLABKIT_OFFLOAD_DIR`` (default: a
-temporary folder; on Colab use the VM's local SSD, not Drive). A step walks the parameters in chunks of
-``chunk_elems`` elements (1 Mi: 8 MiB of state), each starting on a page of the file; while chunk i is
-updated, a background thread brings chunk i+1 in (double buffering, as DeepSpeed's ZeRO-Infinity
-pipelines NVMe reads and writes), and hands chunk i's pages back to the kernel after it
-(``MADV_DONTNEED``), so neither device memory nor host RAM ever holds the whole state and the process's
-resident memory stays flat (the kernel's page cache may keep recently written pages: reclaimable).
+temporary folder; on Colab use the VM's local SSD, not Drive), mapped once for the optimizer's life.
+The state is never an anonymous copy in RAM: on a CPU the update runs on the file's own pages (page
+cache, which the kernel writes back to the file and can reclaim), on a GPU two chunk buffers stage it.
 
-* Parameters in host RAM (a CPU run): the update runs **in place on the mapped pages** — no copy of the
-  state at all. The prefetch maps chunk i+1 writable in one call (``MADV_POPULATE_WRITE``, reading it
-  from disk if needed) instead of one page fault per 4 KiB; two calls per chunk in all.
+* Parameters in host RAM (a CPU run), state at most a quarter of the available RAM (``MemAvailable``,
+  checked every step; ``resident=True``/``False`` forces it): the file's pages **stay mapped** between
+  steps and one fused AdamW call per parameter group updates them in place — no copy, no page mapped in or
+  out per step (that costs 10-15 ms per 240 MB of state: per 4 KiB block, ext4's write fault and its
+  undo). Those pages are page cache of the file, shown in the process's RSS as file pages (``RssFile``),
+  not ``RssAnon``: the kernel would cache the file in that RAM anyway, writes the dirty ones back, and
+  reclaims them under memory pressure.
+* Parameters in host RAM, RAM tighter than that: the step walks the parameters in chunks of
+  ``chunk_elems`` elements (1 Mi: 8 MiB of state), each starting on a page of the file; a background
+  thread maps chunk i+1 writable in one call (``MADV_POPULATE_WRITE``, reading it from disk if needed;
+  double buffering, as DeepSpeed's ZeRO-Infinity pipelines NVMe reads and writes) while chunk i is
+  updated in place, and hands chunk i's pages back after it (``MADV_DONTNEED``): at most two chunks of the
+  state are in this process at a time and none between steps.
 * Parameters on a GPU: chunk i+1 is copied into a pinned buffer by the background thread, goes to the
   GPU with a non-blocking copy, is updated there, and comes back on the :class:`DevicePair`'s side
-  stream; the background thread waits for that copy's event before it writes the chunk back. The main
-  thread never blocks on the GPU inside a step (the old code synchronised twice per 64 Ki-element
-  chunk); it waits once, at the end of the step, for the last write.
+  stream; the background thread waits for that copy's event before it writes the chunk back. Host RAM
+  and the GPU hold two chunks of state. The main thread never blocks on the GPU inside a step (the old
+  code synchronised twice per 64 Ki-element chunk); it waits once, at the end of the step, for the last
+  write.
 
 The update itself is torch's own fused AdamW kernel (``torch._fused_adamw_``, what
 ``torch.optim.AdamW(fused=True)`` calls; the single-tensor path where torch has no fused kernel) on
 flat slices of each parameter, so the weights equal ``torch.optim.AdamW``'s (tested over many steps).
-Chunks under 128 Ki elements (norms, biases) skip the IO thread: their few pages fault in, and are
-dropped together.
+When streaming, chunks under 128 Ki elements (norms, biases) skip the IO thread: their few pages fault
+in, and are dropped together.
 
 >>> import tempfile
 >>> m = torch.nn.Linear(16, 8)
@@ -55,14 +63,16 @@ PAGE = mmap.PAGESIZE
 CHUNK_ELEMS = 1 << 20  # 1 Mi elements: 8 MiB of state per chunk (two fp32 moments)
 LANES = 64  # chunk lengths are rounded up to a multiple of this (any CPU's SIMD width, in floats)
 SMALL_ELEMS = 1 << 17  # chunks under 128 Ki elements (1 MiB of state) skip the prefetch thread
+RESIDENT_SHARE = 4  # a CPU run keeps the file's pages mapped while the state is <= 1/4 of the available RAM
 # Linux >= 5.14: populate the page tables of a range, writable, in one call (Python's mmap module
 # names it from 3.13 on); elsewhere the pages are faulted in on first touch.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 def ram_window_bytes(shapes: Iterable[Any], chunk_elems: int = CHUNK_ELEMS) -> int:
-    """RAM the state takes during a step: two chunks of (exp_avg, exp_avg_sq), fp32 — mapped pages of the
-    file on a CPU run, pinned buffers (and per chunk the same on the GPU) on a GPU run.
+    """RAM the state takes during a streamed step: two chunks of (exp_avg, exp_avg_sq), fp32 — mapped pages
+    of the file on a CPU run short of RAM (with RAM to spare the whole file stays mapped: page cache, see
+    :data:`RESIDENT_SHARE`), pinned buffers (and per chunk the same on the GPU) on a GPU run.
 
     >>> ram_window_bytes([(4096, 1024), (10,)]) == 2 * 8 * (1 << 20)
     True
@@ -98,15 +108,19 @@ class DiskAdamW(torch.optim.Optimizer):
     of the file (exp_avg, then exp_avg_sq).
     ``pair``: the :class:`DevicePair` of the staged path (made for GPU parameters; pass
     ``DevicePair("cpu")`` to run that path on a CPU against the CUDA twin).
+    ``resident`` (CPU parameters): keep the file's pages mapped between steps (``True``), stream them chunk
+    by chunk (``False``), or decide each step by the available RAM (``None``: :data:`RESIDENT_SHARE`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None,
-                 chunk_elems: int = CHUNK_ELEMS, prefetch: bool = True, pair: DevicePair | None = None):
+                 chunk_elems: int = CHUNK_ELEMS, prefetch: bool = True, pair: DevicePair | None = None,
+                 resident: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         own_dir = directory is None and not os.environ.get("COLABKIT_OFFLOAD_DIR")
         self.directory = offload_dir(directory)
         self.prefetch = prefetch
+        self.resident = resident
         self.chunks: list[tuple[torch.Tensor, int, int, int]] = []
         offset = 0
         # whole multiples of LANES: the fused kernel's vector lanes then cover the same elements as for the
@@ -129,7 +143,11 @@ class DiskAdamW(torch.optim.Optimizer):
         except OSError as e:
             _release(None, None, None, self.path, self.directory if own_dir else None)
             raise PlanError(_unusable(self.directory, e)) from None
-        self._mm = mmap.mmap(self._file.fileno(), 0)
+        self._mm = mmap.mmap(self._file.fileno(), 0)  # mapped once, for the optimizer's life
+        # each chunk's (2, n) moments as a tensor over the mapping, made once (no copy, no page touched)
+        self._views = [torch.frombuffer(self._mm, dtype=torch.float32, count=2 * (b - a), offset=off).view(2, b - a)
+                       for _, a, b, off in self.chunks]
+        self._mapped = False  # in-place path: every page of the file is mapped (no drop since)
         self._populate = MADV_POPULATE_WRITE
         gpu = next((p.device for p, *_ in self.chunks if p.device.type == "cuda"), None)
         self.pair = pair if pair is not None else DevicePair(gpu) if gpu is not None else None
@@ -140,7 +158,7 @@ class DiskAdamW(torch.optim.Optimizer):
         self._steps: dict[int, int] = {}  # id(param) -> Adam step count
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colabkit-disk") if prefetch else None
         self._finalizer = weakref.finalize(self, _release, self._pool, self._mm, self._file, self.path,
-                                           self.directory if own_dir else None)
+                                           self.directory if own_dir else None, self._views)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "chunks"):  # after __init__ the file layout is fixed: a new group would never be updated
@@ -151,8 +169,20 @@ class DiskAdamW(torch.optim.Optimizer):
     # ----- file IO: the only code that touches the file (the background thread runs it) --------
     def _view(self, k: int) -> torch.Tensor:
         """Chunk k's (2, n) moments, as a tensor over the mapped file (no copy)."""
-        _, a, b, off = self.chunks[k]
-        return torch.frombuffer(self._mm, dtype=torch.float32, count=2 * (b - a), offset=off).view(2, b - a)
+        return self._views[k]
+
+    def _keep_mapped(self) -> bool:
+        """CPU path: keep the file's pages mapped between steps? ``resident`` if given, else while the file
+        takes at most 1/:data:`RESIDENT_SHARE` of the available RAM (unknown: stream, the safe side)."""
+        if self.resident is not None:
+            return self.resident
+        avail = _mem_available()
+        return avail is not None and RESIDENT_SHARE * len(self._mm) <= avail
+
+    def _drop_all(self) -> None:
+        """Every page of the state leaves this process (the page cache keeps them, bound for the file)."""
+        self._mm.madvise(mmap.MADV_DONTNEED)
+        self._mapped = False
 
     def _map_in(self, k: int) -> None:
         """Map chunk k's pages writable now (reading them from disk if needed): one call, not a page
@@ -192,9 +222,15 @@ class DiskAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         todo = [k for k, (p, *_) in enumerate(self.chunks) if p.grad is not None]
         stepped = {id(self.chunks[k][0]) for k in todo}
+        if self.pair is None and self._keep_mapped():  # CPU, RAM to spare: in place on the kept-mapped pages
+            self._step_in_place(todo)
+            for pid in stepped:
+                self._steps[pid] = self._steps.get(pid, 0) + 1
+            return loss
+        # chunk by chunk with prefetch: the staged (GPU) path, and the CPU path when RAM is tight
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         run = self._pool.submit if self._pool is not None else (lambda f, *a: _Done(f(*a)))
         staged = self.pair is not None
         if staged:  # chunk i into pinned buffer i % 2
@@ -231,15 +267,46 @@ class DiskAdamW(torch.optim.Optimizer):
             self._pool.submit(lambda: None).result()  # every write of this step is in the file
         # a read fault also maps up to 64 KiB of neighbouring cached pages (the kernel's fault-around):
         # drop what is left so that between steps no page of the state stays in this process
-        self._mm.madvise(mmap.MADV_DONTNEED)
+        self._drop_all()
         for pid in stepped:
             self._steps[pid] = self._steps.get(pid, 0) + 1
         return loss
 
+    def _step_in_place(self, todo: list[int]) -> None:
+        """CPU, pages kept mapped: map the whole file once (one call; again only after a drop), then one
+        fused AdamW call per parameter group over every chunk's slice and mapped moments, as
+        ``torch.optim.AdamW(fused=True)`` makes one call for all its tensors."""
+        if not self._mapped:
+            if self._populate is not None:
+                try:
+                    self._mm.madvise(self._populate)
+                except OSError:  # a kernel before 5.14: the pages fault in on first touch
+                    self._populate = None
+            self._mapped = True
+        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        batches: dict[int, tuple[list, ...]] = {}
+        steps: dict[int, torch.Tensor] = {}
+        for k in todo:
+            p, a, b, _ = self.chunks[k]
+            mv, n = self._view(k), self._steps.get(id(p), 0) + 1
+            if not _fusable(p, p.grad, mv):
+                _update(p.view(-1)[a:b], p.grad.view(-1)[a:b], mv, n, self.param_groups[group_of[id(p)]])
+                continue
+            if n not in steps:
+                steps[n] = torch.tensor(float(n))
+            batch = batches.setdefault(group_of[id(p)], ([], [], [], [], []))
+            for lst, t in zip(batch, (p.view(-1)[a:b], p.grad.view(-1)[a:b], mv[0], mv[1], steps[n])):
+                lst.append(t)
+        for i, (ps, gs, m1, m2, st) in batches.items():
+            g = self.param_groups[i]
+            torch._fused_adamw_(ps, gs, m1, m2, [], st, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                                weight_decay=g["weight_decay"], eps=g["eps"], amsgrad=False, maximize=False)
+
     # ----- what the tracker, the checkpoints and the estimator see -----------------------------
     def state_tensors(self):
         """Tensors the state takes in memory: the two pinned chunk buffers of the staged path; none when
-        the update runs in place on the file's pages (those are page cache, ``window_bytes`` at most)."""
+        the update runs in place on the file's pages (those are page cache of the file: all of it while
+        they stay mapped, ``window_bytes`` at most while streamed)."""
         return iter(self._buffers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,7 +326,8 @@ class DiskAdamW(torch.optim.Optimizer):
             if i in state:
                 state[i]["exp_avg"] = state[i]["exp_avg"].view_as(p)
                 state[i]["exp_avg_sq"] = state[i]["exp_avg_sq"].view_as(p)
-        self._mm.madvise(mmap.MADV_DONTNEED)  # the pages just read leave this process again
+        if not self._mapped:
+            self._drop_all()  # streamed: the pages just read leave this process again
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index[id(p)] for p in g["params"]]}
                   for g in self.param_groups]
         return {"state": state, "param_groups": groups}
@@ -279,7 +347,8 @@ class DiskAdamW(torch.optim.Optimizer):
             view[1].copy_(s["exp_avg_sq"].reshape(-1)[a:b])
             self._steps[id(p)] = int(s["step"])
         self._mm.flush()
-        self._mm.madvise(mmap.MADV_DONTNEED)  # written back; out of this process's resident memory
+        if not self._mapped:
+            self._drop_all()  # streamed: written back; out of this process's resident memory
 
     def close(self) -> None:
         """Unmap and delete the state file (also done when the optimizer is collected, or at exit)."""
@@ -291,7 +360,7 @@ def _update(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor, step: int, g:
     where torch has it for the device and dtypes (``torch.optim.AdamW(fused=True)``'s own call), else its
     single-tensor path (``torch.optim.AdamW(foreach=False)``)."""
     b1, b2 = g["betas"]
-    if p.dtype == grad.dtype == mv.dtype and p.device.type in _get_fused_kernels_supported_devices():
+    if _fusable(p, grad, mv):
         torch._fused_adamw_([p], [grad], [mv[0]], [mv[1]], [], [torch.tensor(float(step), device=p.device)],
                             lr=g["lr"], beta1=b1, beta2=b2, weight_decay=g["weight_decay"], eps=g["eps"],
                             amsgrad=False, maximize=False)
@@ -299,6 +368,23 @@ def _update(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor, step: int, g:
     _adamw([p], [grad], [mv[0]], [mv[1]], [], [torch.tensor(float(step - 1))], foreach=False, capturable=False,
            differentiable=False, fused=None, grad_scale=None, found_inf=None, amsgrad=False, beta1=b1, beta2=b2,
            lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+
+
+def _fusable(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor) -> bool:
+    """torch has a fused AdamW kernel for these dtypes on this device."""
+    return p.dtype == grad.dtype == mv.dtype and p.device.type in _get_fused_kernels_supported_devices()
+
+
+def _mem_available() -> int | None:
+    """Bytes of RAM the kernel can hand out without swapping (``MemAvailable``; None where unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _pages(n_elems: int) -> int:
@@ -320,10 +406,12 @@ def _reserve(fd: int, size: int) -> None:
 
 
 def _release(pool: ThreadPoolExecutor | None, mm: mmap.mmap | None, f: Any, path: str,
-             own_dir: str | None = None) -> None:
+             own_dir: str | None = None, views: list | None = None) -> None:
     """Stop the IO thread, unmap, delete the state file and the temporary folder colabkit made for it."""
     if pool is not None:
         pool.shutdown(wait=True)
+    if views:
+        views.clear()  # the tensors over the mapping: the mapping cannot close while they hold it
     for handle in (mm, f):
         if handle is not None:
             handle.close()
