@@ -84,6 +84,7 @@ def test_planner_ranks_fitting_plans_by_cost():
     assert 0.1 < rows[0]["overhead"] <= 0.34
 
 
+@pytest.mark.slow  # fast twin: tests/test_estimate_twins.py::test_baseline_t4_bounds_of_largest
 def test_largest_baseline_t4_in_issue_range():
     r = largest("baseline", seq=1024, batch=1, gpu="t4")  # fp32 AdamW: 16 B/param -> 0.5-1.0B
     assert 0.5e9 <= r["params"] <= 1.0e9

@@ -25,6 +25,16 @@ def test_smallest_gpt2_shape_of_the_size_fits_t4(plan, at_least, width):
     assert r["fits"] and r["peak_bytes"] <= r["budget_bytes"], (r["peak_bytes"], r["budget_bytes"])
 
 
+def test_baseline_t4_bounds_of_largest():
+    """Twin of test_estimate.py::test_largest_baseline_t4_in_issue_range (fp32 AdamW, 16 B/param: 0.5-1.0B on
+    a T4): the smallest width of >= 0.5B fits and the smallest of > 1.0B does not, so the bisection's answer
+    lies between. (The bisection runs in planner.largest's doctest and test_largest_agrees_with_a_full_trace.)"""
+    assert _params(1472) >= 0.5e9 > _params(1408) and _params(1856) > 1.0e9 >= _params(1792)
+    lo, hi = (_fast_estimate(gpt2_shape(w), "baseline", 1, 1024, "t4", None) for w in (1472, 1856))
+    assert lo["fits"] and lo["peak_bytes"] <= lo["budget_bytes"]
+    assert not hi["fits"]
+
+
 def test_attention_traced_as_the_t4_runs_it(monkeypatch):
     """Twin of test_estimate_trust.py::test_attention_traced_as_the_t4_runs_it_offline on GPT-2's own config
     (the shipped one, offline) cut to 2 layers, a 1024-token vocabulary and seq 512: the T4 trace keeps no
