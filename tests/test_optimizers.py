@@ -294,7 +294,7 @@ def torchao_adamw4bit(compiled=False, **kw):
     (adamw_reference(), 0.22, True), (adamw_reference(betas=(0.8, 0.999)), 0.22, False),
     (adamw_reference(lr=1.5 * LR), 0.22, False),
     (torchao_adamw4bit(), 0.32, True), (torchao_adamw4bit(betas=(0.6, 0.999)), 0.32, False),
-    # fast twin: torchao-adamw4bit (the same step run eagerly)
+    # fast twin: test_adamw4bit_tracks_adamw_and_torchao[torchao-adamw4bit] (the same step, run eagerly)
     pytest.param(torchao_adamw4bit(compiled=True), 0.32, True, marks=pytest.mark.slow),
 ], ids=["torch-adamw", "wrong-beta1", "wrong-lr", "torchao-adamw4bit", "torchao-wrong-beta1", "torchao-compiled"])
 def test_adamw4bit_tracks_adamw_and_torchao(ref, tol, ok):
