@@ -214,7 +214,7 @@ def test_sigkill_of_train_world_size_two_ends_its_ranks():
 
 # ----- 6. torchrun ------------------------------------------------------------------------------
 def test_torchrun_equals_world_size_two():
-    args = ["train", "--model", "gpt:2x64", "--plan", "zero:3", "--steps", "2", "--device", "cpu", "--batch", "4",
+    args = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
             "--seq", "16", "--no-track", "--json", "-"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
@@ -225,4 +225,4 @@ def test_torchrun_equals_world_size_two():
     result, spawned = json.loads(by_torchrun), json.loads(spawned)  # torchrun: rank 0 printed, rank 1 nothing
     assert result["losses"] == spawned["losses"] and result["weights_sha256"] == spawned["weights_sha256"]
     torch.manual_seed(0)
-    assert weights_sha256(build_model("gpt:2x64", seq=16)) != result["weights_sha256"]  # negative control: it trained
+    assert weights_sha256(build_model("gpt:4x128", seq=16)) != result["weights_sha256"]  # negative control: it trained
