@@ -170,8 +170,8 @@ def test_bad_sizes_refused_alike(cmd, capsys):
 
 
 # ----- item 7: output a reader can use, nothing from other libraries ----------------------------------------
-def test_cli_output_is_clean_and_explained(tmp_path):
-    runs = {
+def _clean_runs(tmp_path) -> dict[str, list[str]]:
+    return {
         "env": ["env"],
         "bench": ["bench", "--model", "gpt:2x64", "--steps", "1", "--batch", "2", "--seq", "16", "--plan", "galore:4",
                   "--plan", "qlora:4", "--plan", "adam-mini"],
@@ -181,16 +181,56 @@ def test_cli_output_is_clean_and_explained(tmp_path):
         "estimate hf": ["estimate", "--model", "hf:openai-community/gpt2", "--plan", "qlora:8", "--seq", "128"],
         "structured": ["structured", "--n", "128", "--rank", "4"],
     }
-    procs = {k: _cli(*v, env={**ENV, "HF_HUB_OFFLINE": "1"}) for k, v in runs.items()}
-    outs = {k: p.communicate(timeout=600) for k, p in procs.items()}
-    for k, p in procs.items():
-        assert p.returncode == 0, (k, outs[k][1][-2000:])
-        assert outs[k][1] == "", f"{k} wrote to stderr: {outs[k][1][:2000]}"  # no warnings, no 'Failed to load'
+
+
+def _check_clean_output(outs: dict[str, tuple[str, str]]) -> None:
     est = outs["estimate"][0]
     assert not re.search(r"\d{1,3}(,\d{3})+ B", est) and "stand-in" not in est
     assert re.search(r"the trace ran lora with 16-bit frozen weights \([\d.]+ [KMG]iB\); params counts them as the run "
                      r"stores them \([\d.]+ [KMG]iB\), [\d.]+ [KMG]iB less", est), est
     assert "each category: its own peak; step s: seconds per optimizer step" in outs["bench"][0]
+
+
+_ONE_PROCESS = """import json, sys
+from colabkit.__main__ import main
+for name, args in json.loads(sys.argv[1]).items():
+    print(f"=== {name}", flush=True)
+    print(f"=== {name}", file=sys.stderr, flush=True)
+    print(f"=== rc {main(args)}", flush=True)
+"""
+
+
+def test_cli_output_is_clean_in_one_process(tmp_path):
+    """Fast twin of test_cli_output_is_clean_and_explained: the same six commands through the same ``main``,
+    one after another in one fresh process (one interpreter start and one set of imports instead of six):
+    a library's import noise or a warning shows on stderr as it does there (a warning repeated at the same
+    place is printed once per process, so the first command to raise it fails). Negative control: a
+    command that writes to stderr is seen, and attributed to its command."""
+    runs = _clean_runs(tmp_path)
+    runs["noisy"] = ["estimate", "--model", "gpt:2x64", "--plan", "no-such-token"]
+    p = subprocess.run([sys.executable, "-c", _ONE_PROCESS, json.dumps(runs)], env={**ENV, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = {k: (o, rc) for k, o, rc in re.findall(r"^=== (?!rc )(.+?)\n(.*?)^=== rc (-?\d+)$", p.stdout, re.S | re.M)}
+    err = dict(re.findall(r"^=== (.+?)\n(.*?)(?=^=== |\Z)", p.stderr, re.S | re.M))
+    assert list(out) == list(err) == list(runs), (p.stdout[-2000:], p.stderr[-2000:])
+    for k in runs:
+        if k != "noisy":
+            assert out[k][1] == "0", (k, err[k][-2000:])
+            assert err[k] == "", f"{k} wrote to stderr: {err[k][:2000]}"  # no warnings, no 'Failed to load'
+    assert out["noisy"][1] != "0" and "no-such-token" in err["noisy"], err["noisy"]  # negative control
+    _check_clean_output(out)
+
+
+@pytest.mark.slow  # fast twin: test_cli_output_is_clean_in_one_process
+def test_cli_output_is_clean_and_explained(tmp_path):
+    runs = _clean_runs(tmp_path)
+    procs = {k: _cli(*v, env={**ENV, "HF_HUB_OFFLINE": "1"}) for k, v in runs.items()}
+    outs = {k: p.communicate(timeout=600) for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, (k, outs[k][1][-2000:])
+        assert outs[k][1] == "", f"{k} wrote to stderr: {outs[k][1][:2000]}"  # no warnings, no 'Failed to load'
+    _check_clean_output(outs)
 
 
 # ----- item 8: --help for every flag of every subcommand ----------------------------------------------------

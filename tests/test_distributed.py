@@ -205,7 +205,7 @@ def test_sigkill_of_parent_ends_even_stubborn_ranks():
     assert _kill_parent_and_watch([sys.executable, "-c", code], timeout=5) == []
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # fast twin: test_sigkill_of_parent_ends_even_stubborn_ranks (the same kill, without the CLI)
 def test_sigkill_of_train_world_size_two_ends_its_ranks():
     cmd = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:2x64", "--device", "cpu", "--no-track",
            "--batch", "4", "--seq", "16", "--plan", "zero:1", "--steps", "100000", "--world-size", "2"]

@@ -84,12 +84,14 @@ def test_planner_ranks_fitting_plans_by_cost():
     assert 0.1 < rows[0]["overhead"] <= 0.34
 
 
+@pytest.mark.slow  # fast twin: tests/test_estimate_twins.py::test_baseline_t4_bounds_of_largest
 def test_largest_baseline_t4_in_issue_range():
     r = largest("baseline", seq=1024, batch=1, gpu="t4")  # fp32 AdamW: 16 B/param -> 0.5-1.0B
     assert 0.5e9 <= r["params"] <= 1.0e9
     assert r["peak_bytes"] <= r["budget_bytes"]
 
 
+@pytest.mark.slow  # fast twin: tests/test_estimate_twins.py::test_smallest_gpt2_shape_of_the_size_fits_t4
 @pytest.mark.parametrize("plan,at_least", [("checkpoint+adamw8bit+fused-step", 2.0e9), ("qlora:16+checkpoint", 14e9)])
 def test_largest_with_memory_plans_t4(plan, at_least):
     # issue 6: the best full-training plan reaches >= 2.0B on a T4, QLoRA with checkpointing >= 14B

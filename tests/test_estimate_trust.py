@@ -74,6 +74,7 @@ def test_largest_agrees_with_a_full_trace_of_its_answer():
     assert full["fits"]
 
 
+@pytest.mark.slow  # fast twin: tests/test_estimate_twins.py::test_attention_traced_as_the_t4_runs_it
 def test_attention_traced_as_the_t4_runs_it_offline(monkeypatch):
     """The issue's check (batch 4 x seq 1024) at batch 1: the S x S term is linear in the batch."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -3,6 +3,7 @@ re-synced each step), exact state_dict round trips, state bytes measured against
 issue's "done when" bench on gpt:8x256."""
 import io
 import math
+import unittest.mock
 
 import pytest
 import torch
@@ -183,14 +184,16 @@ def test_measured_state_bytes_match_theory(tok):
     assert theory <= measured <= theory + 2048, (tok, measured, theory)
 
 
-# ----- the issue's "done when": bench on gpt:8x256, seq 128, batch 8, 2 steps, on the CPU --------
+# ----- the issue's "done when": bench on gpt:8x256, 2 steps, on the CPU --------------------------
 PLANS = ["baseline", "adamw8bit", "adamw4bit", "lion", "adafactor", "fused-step"]
 
 
 @pytest.fixture(scope="module")
 def bench():
+    # The issue ran batch 8 x seq 128; the optimizer-state and gradient bytes compared below are a function
+    # of the weights alone, the same at batch 2 x seq 32 (4x less compute).
     torch.manual_seed(0)
-    return {p: measure("gpt:8x256", p, batch=8, seq=128, steps=2, device="cpu") for p in PLANS}
+    return {p: measure("gpt:8x256", p, batch=2, seq=32, steps=2, device="cpu") for p in PLANS}
 
 
 def test_done_when_bench(bench):
@@ -269,15 +272,31 @@ def test_adamw8bit_tracks_torch_adamw(ref, ok):
     assert (frac <= 0.01 and drift <= 0.03) == ok, (frac, drift)
 
 
-def torchao_adamw4bit(**kw):
-    return lambda params: pytest.importorskip("torchao.optim").AdamW4bit(params, **dict(dict(lr=LR, weight_decay=WD), **kw))
+def torchao_adamw4bit(compiled=False, **kw):
+    """torchao's AdamW4bit. Its step is ``torch.compile(single_param_adam)``; Inductor compiling it costs
+    ~15-25 s of CPU per process, so by default the same function runs eagerly (the same ops on the same
+    4-bit state: the same weights to the last bit, drift 0.28814 both ways, CPU, 2026-11-26);
+    ``compiled=True`` runs torchao as shipped (the slow case)."""
+    def make(params):
+        opt = pytest.importorskip("torchao.optim").AdamW4bit(params, **dict(dict(lr=LR, weight_decay=WD), **kw))
+        if not compiled:
+            step = opt.step
+
+            def eager_step(*args, **kwargs):
+                with unittest.mock.patch.object(torch, "compile", lambda fn, **_: fn):
+                    return step(*args, **kwargs)
+            opt.step = eager_step
+        return opt
+    return make
 
 
 @pytest.mark.parametrize("ref,tol,ok", [
     (adamw_reference(), 0.22, True), (adamw_reference(betas=(0.8, 0.999)), 0.22, False),
     (adamw_reference(lr=1.5 * LR), 0.22, False),
     (torchao_adamw4bit(), 0.32, True), (torchao_adamw4bit(betas=(0.6, 0.999)), 0.32, False),
-], ids=["torch-adamw", "wrong-beta1", "wrong-lr", "torchao-adamw4bit", "torchao-wrong-beta1"])
+    # fast twin: test_adamw4bit_tracks_adamw_and_torchao[torchao-adamw4bit] (the same step, run eagerly)
+    pytest.param(torchao_adamw4bit(compiled=True), 0.32, True, marks=pytest.mark.slow),
+], ids=["torch-adamw", "wrong-beta1", "wrong-lr", "torchao-adamw4bit", "torchao-wrong-beta1", "torchao-compiled"])
 def test_adamw4bit_tracks_adamw_and_torchao(ref, tol, ok):
     """4-bit moments (15/16 levels per 128 values) on pure-noise gradients, the hardest case: after 20
     steps the weights are within 22% of the distance moved of torch's AdamW (measured 18%; torchao's

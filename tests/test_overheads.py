@@ -10,6 +10,7 @@ from colabkit.env import GPU_PROFILES, profile_for
 from colabkit.estimate import _fast_estimate, estimate, gpt2_shape, largest
 from colabkit.estimate import overheads as ov
 from colabkit.memory import MemoryTracker
+from colabkit.models import GPT
 from colabkit.plan import Context, REGISTRY
 from tests.conftest import requires_cuda
 
@@ -112,6 +113,21 @@ def test_estimate_json_has_overheads_and_device_need(monkeypatch, tmp_path):
     assert r2["verdict"] == "tight" and r2["fits"]
 
 
+def test_overheads_keep_the_first_model_above_085b_off_a_t4(monkeypatch, tmp_path):
+    """Fast twin of the test below (issue 12: largest baseline on a T4 at most 0.85B, moved there by the GPU
+    terms) with two estimates instead of a bisection: the smallest GPT-2 shape above 0.85B does not fit
+    while its tensors alone would (peak < budget < device need), and the smallest above 0.5B fits."""
+    monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
+    with torch.device("meta"):
+        n = {w: sum(p.numel() for p in GPT(gpt2_shape(w)).parameters()) for w in (1408, 1472, 1728, 1792)}
+    assert n[1472] > 0.5e9 >= n[1408] and n[1792] > 0.85e9 >= n[1728]  # the smallest such widths
+    nxt = _fast_estimate(gpt2_shape(1792), "baseline", 1, 1024, "t4", None)
+    assert not nxt["fits"]
+    assert nxt["peak_bytes"] < nxt["budget_bytes"] < nxt["resources"]["device"]["need"]  # the tensors alone would fit
+    assert _fast_estimate(gpt2_shape(1472), "baseline", 1, 1024, "t4", None)["fits"]
+
+
+@pytest.mark.slow  # fast twin: test_overheads_keep_the_first_model_above_085b_off_a_t4
 def test_largest_baseline_t4_with_overheads(monkeypatch, tmp_path):
     # issue 12 done-when: at most 0.85B (16 B/param plus the GPU terms); the overheads must be what moved it
     monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
