@@ -260,7 +260,8 @@ def call_profile(opt: Any, call: list[tuple[int, list[int]]], alloc_round: int =
     many parameters is composed from one-parameter profiles (:func:`compose`) where the optimizer's step is
     separable (:func:`_separable`), else (or with ``whole``) profiled whole."""
     groups = opt.param_groups
-    if not whole and sum(len(pis) for _, pis in call) > 4 and (per_call := _separable(opt, call, alloc_round)) is not None:
+    multi = any(groups[gi].get("foreach") or groups[gi].get("fused") for gi, _ in call)  # one kernel: cheap whole
+    if not whole and not multi and sum(len(pis) for _, pis in call) > 4 and (per_call := _separable(opt, call, alloc_round)) is not None:
         return compose([call_profile(opt, [(gi, [pi])], alloc_round) for gi, pis in call for pi in pis], per_call)
     opt.param_groups = [dict(groups[gi], params=[groups[gi]["params"][pi] for pi in pis]) for gi, pis in call]
     try:
@@ -312,20 +313,21 @@ def _separable(opt: Any, call: list[tuple[int, list[int]]], alloc_round: int) ->
     and the kernels it launches once per step (:func:`compose`'s ``per_call``); None if not. Checked against
     the real step over a few of the parameters and over two -- the state, a later step's peaks, whether the
     first step is dominated, the kernels' bytes, sizes and FLOPs must compose exactly, and the kernel count
-    with one ``per_call`` for both; cached per class, rounding, hyperparameters and the call's shapes."""
+    with one ``per_call`` for both; cached per class, rounding, and the samples' hyperparameters and shapes."""
     groups = opt.param_groups
+    # the first two of the first group, the first of the next (a change of group) and the largest (state or
+    # buffers a step keeps across its parameters show after a smaller one), in the call's order
+    numel = {(gi, pi): groups[gi]["params"][pi].numel() for gi, pis in call for pi in pis}
+    picked = {(call[0][0], pi) for pi in call[0][1][:2]} | {(gi, pis[0]) for gi, pis in call[1:2]} | {max(numel, key=numel.get)}
+    many = [(gi, [pi for pi in pis if (gi, pi) in picked]) for gi, pis in call]
+    samples = ([(gi, pis) for gi, pis in many if pis], [(call[0][0], call[0][1][:2])])
     key = (type(opt), alloc_round, tuple((_hyper(groups[gi]), tuple(tuple(groups[gi]["params"][pi].shape) for pi in pis))
-                                         for gi, pis in call))
+                                         for gi, pis in samples[0]))  # what decides: the samples
     if key not in _SEPARABLE:
         if len(_SEPARABLE) >= PROFILES_KEPT:
             _SEPARABLE.clear()
-        # the first two of the first group, the first of the next (a change of group) and the largest (state or
-        # buffers a step keeps across its parameters show after a smaller one), in the call's order
-        numel = {(gi, pi): groups[gi]["params"][pi].numel() for gi, pis in call for pi in pis}
-        picked = {(call[0][0], pi) for pi in call[0][1][:2]} | {(gi, pis[0]) for gi, pis in call[1:2]} | {max(numel, key=numel.get)}
-        many = [(gi, [pi for pi in pis if (gi, pi) in picked]) for gi, pis in call]
         found = []
-        for sample in ([(gi, pis) for gi, pis in many if pis], [(call[0][0], call[0][1][:2])]):
+        for sample in samples:
             n = sum(len(pis) for _, pis in sample)
             whole = call_profile(opt, sample, alloc_round, whole=True)
             parts = compose([call_profile(opt, [(gi, [pi])], alloc_round) for gi, pis in sample for pi in pis])
