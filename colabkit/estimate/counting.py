@@ -73,17 +73,16 @@ class Traffic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func in _FREE or func.namespace == "prim":  # prim.device & co: metadata, no kernel
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        counted, formula, matmul = kind
+        if not counted:
             return out
         self.ops += 1
-        packet = func.overloadpacket
-        if (formula := flop_registry.get(packet)) is not None:
+        if formula is not None:
             self.flops += formula(*args, **(kwargs or {}), out_val=out)
-        elif packet is _aten._scaled_dot_product_flash_attention_for_cpu:  # torch has no formula for the CPU kernel
-            self.flops += sdpa_flop_count(*(a.shape for a in args[:3]))
-        elif packet is _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            self.flops += sdpa_backward_flop_count(*(a.shape for a in args[:4]))
-        if packet not in _MATMULS:
+        if not matmul:
             outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.numel() * t.element_size() for t in (*_tensors_of(args, kwargs), *outs))
             self.bytes += nbytes
@@ -106,6 +105,25 @@ class Traffic(TorchDispatchMode):
             self.by_size[k] = self.by_size.get(k, 0) + v
 
 
+def _cpu_sdpa(*args, out_val=None, **kwargs) -> int:  # torch has no formula for the CPU flash kernel
+    return sdpa_flop_count(*(a.shape for a in args[:3]))
+
+
+def _cpu_sdpa_backward(*args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+
+
+def _kind(func) -> tuple[bool, object, bool]:
+    """(a kernel at all, its FLOP formula or None, a matmul): views, ``prim.device`` & co are metadata."""
+    if func.is_view or func in _FREE or func.namespace == "prim":
+        return False, None, False
+    packet = func.overloadpacket
+    formula = {_aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+               _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward}.get(packet)
+    return True, flop_registry.get(packet, formula), packet in _MATMULS
+
+
+_KINDS: dict = {}  # op overload -> _kind(op), decided once
 _ACTIVE: list[Traffic] = []  # the Traffic of the counting() blocks open now, innermost last
 
 
