@@ -1,5 +1,6 @@
 """The estimator's fast path against its reference (issue 25): the optimizer step replayed from profiles of
-the real step, traces cached per process, deep GPTs from 1- and 2-layer traces, the first step not traced
+the real step, one forward/backward per plan completed for each optimizer, the step-time counts taken in the
+same fake step, traces cached per process, deep GPTs from 2- and 3-layer traces, the first step not traced
 where the second dominates it. Each answer must be the full trace's (every step op by op, the whole model,
 nothing cached: ``full_trace()``) within 0.5% -- peak, each category's own peak and the categories at the
 peak, host bytes and the GPU overheads -- and each shortcut has a negative control the comparison catches."""
