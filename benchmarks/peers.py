@@ -212,27 +212,24 @@ def tracker_row(cfg: dict) -> dict:
         o1.step()
         o1.zero_grad(set_to_none=True)
 
+    def phased(mt, m, o):  # one step, its phases labelled as the Trainer labels them
+        with mt.phase("forward"):
+            loss = loss_of(m)
+        with mt.phase("backward"):
+            loss.backward()
+        with mt.phase("optimizer"):
+            o.step()
+        o.zero_grad(set_to_none=True)
+
     tracker = MemoryTracker(m2, o2, device="cpu", alert_at=None)
 
     def tracked():
-        with tracker.phase("forward"):
-            loss = loss_of(m2)
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            o2.step()
-        o2.zero_grad(set_to_none=True)
+        phased(tracker, m2, o2)
         tracker.set_step(tracker._step + 1)
 
     def fresh():  # a tracker made, entered, left and reported around each step (what a one-off check pays)
         with MemoryTracker(m3, o3, device="cpu", alert_at=None) as mt:
-            with mt.phase("forward"):
-                loss = loss_of(m3)
-            with mt.phase("backward"):
-                loss.backward()
-            with mt.phase("optimizer"):
-                o3.step()
-            o3.zero_grad(set_to_none=True)
+            phased(mt, m3, o3)
         mt.report()
 
     with tracker:

@@ -388,18 +388,24 @@ def _no_blocking_copies(monkeypatch):
     monkeypatch.setattr(off.DevicePair, "to_host", blocking)
 
 
-@pytest.mark.parametrize("plan", ["offload:activations", "offload:params"])
-def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
+def _two_steps_without_blocking_copies(plan: str, ref_plan: str, monkeypatch) -> tuple[Trainer, Trainer]:
+    """(reference, offloaded) Trainers after two steps whose losses agree; the offloaded one may make no
+    blocking copy to the host once set up (setup places the weights with blocking copies)."""
     torch.manual_seed(0)
-    ref = Trainer(build_model("gpt:2x64", seq=32), "baseline", device="cpu")
+    ref = Trainer(build_model("gpt:2x64", seq=32), ref_plan, device="cpu")
     torch.manual_seed(0)
     t = Trainer(build_model("gpt:2x64", seq=32), plan, device="cpu", offload_sim=True)
-    _no_blocking_copies(monkeypatch)  # after setup (which places the weights with blocking copies)
-    pair = off.pair_of(t.model, "cpu")
+    _no_blocking_copies(monkeypatch)
     for i in range(2):
         x, y = TextData().batch(4, 32, step=i)
         assert t.step(x, y) == pytest.approx(ref.step(x, y), rel=1e-6)
-    s = pair.stats()
+    return ref, t
+
+
+@pytest.mark.parametrize("plan", ["offload:activations", "offload:params"])
+def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
+    _, t = _two_steps_without_blocking_copies(plan, "baseline", monkeypatch)
+    s = off.pair_of(t.model, "cpu").stats()
     # every copy went through the side stream and was waited for before use; none read poison
     assert s["copies"] > 0 and "poisoned" not in s
     if plan == "offload:activations":
@@ -412,14 +418,7 @@ def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
 def test_accumulated_gradients_go_to_the_host_asynchronously(plan, monkeypatch):
     # micro-batch 2's gradients: copied on the side stream like the first ones (before: a blocking copy each),
     # added on the host once landed, with at most one parameter's (block's) copies in flight
-    torch.manual_seed(0)
-    ref = Trainer(build_model("gpt:2x64", seq=32), "accum:2", device="cpu")
-    torch.manual_seed(0)
-    t = Trainer(build_model("gpt:2x64", seq=32), plan, device="cpu", offload_sim=True)
-    _no_blocking_copies(monkeypatch)
-    for i in range(2):
-        x, y = TextData().batch(4, 32, step=i)
-        assert t.step(x, y) == pytest.approx(ref.step(x, y), rel=1e-6)
+    ref, t = _two_steps_without_blocking_copies(plan, "accum:2", monkeypatch)
     assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(ref.model.parameters(), t.model.parameters()))
     assert "poisoned" not in off.pair_of(t.model, "cpu").stats()
 
