@@ -193,3 +193,26 @@ def test_a_step_over_many_tensors_is_composed_only_where_it_composes():
         assert (parts.steps[1] == whole.steps[1]) == separable, token
         assert replay.call_profile(opt, call) == whole if not separable else \
             replay.call_profile(opt, call).steps[1] == whole.steps[1]
+
+
+def test_a_described_batch_is_counted_from_its_own_step():
+    """A user's model with a described batch dict (no token ids the counter could invent) gets its step-time
+    FLOPs from the estimate's own fake step -- equal to torch's FlopCounterMode around a real forward and
+    backward of the same model and batch -- not the 6 x parameters x tokens fallback. Control: the counter's
+    figure for another sequence length differs."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=500)
+
+    def real_flops(seq):
+        torch.manual_seed(0)
+        m = BertForSequenceClassification(cfg)
+        with FlopCounterMode(display=False) as c:
+            m(input_ids=torch.randint(0, 500, (4, seq)), labels=torch.randint(0, 2, (4,))).loss.backward()
+        return c.get_total_flops()
+
+    r = estimate(lambda: BertForSequenceClassification(cfg), "sgd", device="cpu",
+                 inputs={"input_ids": ((4, 32), torch.long), "labels": ((4,), torch.long)})
+    assert r["flops"] == real_flops(32) != real_flops(48)
+    assert not any("6 x parameters" in n for n in r["notes"]), r["notes"]
