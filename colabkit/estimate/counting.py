@@ -96,6 +96,10 @@ class Traffic(TorchDispatchMode):
         """(kernels, bytes, bytes by size, FLOPs) so far: what a replay adds back (:func:`add_replayed`)."""
         return self.ops, self.bytes, tuple(sorted(self.by_size.items())), self.flops
 
+    def result(self, trainable: int) -> tuple[int, int, int, int, tuple[tuple[int, int], ...]]:
+        """(FLOPs, kernels, non-matmul bytes, ``trainable`` parameters, bytes by kernel size)."""
+        return int(self.flops), self.ops, self.bytes, trainable, tuple(sorted(self.by_size.items()))
+
     def add(self, counted: tuple[int, int, tuple[tuple[int, int], ...], int]) -> None:
         ops, nbytes, sizes, flops = counted
         self.ops += ops
@@ -127,24 +131,13 @@ _KINDS: dict = {}  # op overload -> _kind(op), decided once
 _ACTIVE: list[Traffic] = []  # the Traffic of the counting() blocks open now, innermost last
 
 
-class _Counting:
-    def __init__(self):
-        self.traffic = Traffic()
-
-    def result(self, trainable: int) -> tuple[int, int, int, int, tuple[tuple[int, int], ...]]:
-        """(FLOPs, kernels, non-matmul bytes, ``trainable`` parameters, bytes by kernel size)."""
-        t = self.traffic
-        return int(t.flops), t.ops, t.bytes, trainable, tuple(sorted(t.by_size.items()))
-
-
 @contextlib.contextmanager
-def counting() -> Iterator[_Counting]:
+def counting() -> Iterator[Traffic]:
     """Count FLOPs, kernels and bytes of what runs in the block (``.result(trainable)`` after it)."""
-    c = _Counting()
-    with c.traffic:
-        _ACTIVE.append(c.traffic)
+    with Traffic() as traffic:
+        _ACTIVE.append(traffic)
         try:
-            yield c
+            yield traffic
         finally:
             _ACTIVE.pop()
 

@@ -329,12 +329,12 @@ def _separable(opt: Any, call: list[tuple[int, list[int]]], alloc_round: int) ->
         found = []
         for sample in samples:
             n = sum(len(pis) for _, pis in sample)
-            whole = call_profile(opt, sample, alloc_round, whole=True)
+            real = call_profile(opt, sample, alloc_round, whole=True)
             parts = compose([call_profile(opt, [(gi, [pi])], alloc_round) for gi, pis in sample for pi in pis])
-            dominated = [max(x for _, x in p.steps[0]) <= max(x for _, x in p.steps[1]) for p in (whole, parts)]
-            per_call, left = divmod(parts.kernels[1][0] - whole.kernels[1][0], max(1, n - 1))
-            same = (whole.state == parts.state and whole.steps[1] == parts.steps[1] and dominated[0] == dominated[1]
-                    and whole.kernels[1][1:] == parts.kernels[1][1:] and not left and n > 1)
+            dominated = [max(x for _, x in p.steps[0]) <= max(x for _, x in p.steps[1]) for p in (real, parts)]
+            per_call, left = divmod(parts.kernels[1][0] - real.kernels[1][0], max(1, n - 1))
+            same = (real.state == parts.state and real.steps[1] == parts.steps[1] and dominated[0] == dominated[1]
+                    and real.kernels[1][1:] == parts.kernels[1][1:] and not left and n > 1)
             found.append(per_call if same else None)
         _SEPARABLE[key] = found[0] if found[0] is not None and found[0] == found[1] else None
     return _SEPARABLE[key]

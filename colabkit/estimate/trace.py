@@ -322,9 +322,6 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
                 block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(trainer.model)]
             except ValueError:
                 block_bytes = []
-            # what the plan's optimizer is made from: each group's weight decay and its parameters' shapes
-            recipe = (trainer.ctx.lr, [(g["weight_decay"], [(tuple(p.shape), p.dtype) for p in g["params"]])
-                                       for g in param_groups(trainer.model, trainer.ctx.weight_decay)])
             tracker.reset_peaks()
             for step in run:
                 trainer.step_count = step
@@ -339,7 +336,14 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
             "block_bytes": block_bytes, "counts": counter.result(trainable), "counted_plan": compute_plan(plan),
-            **({"at_step": at_step, "recipe": recipe} if base else {})}
+            **({"at_step": at_step, "recipe": _recipe(trainer)} if base else {})}
+
+
+def _recipe(trainer: Trainer) -> tuple[float, list[tuple[float, list[tuple[tuple[int, ...], torch.dtype]]]]]:
+    """What the plan's optimizer is made from: the learning rate, each group's weight decay and its
+    parameters' shapes and dtypes (:func:`~.replay.optimizer_for`)."""
+    return trainer.ctx.lr, [(g["weight_decay"], [(tuple(p.shape), p.dtype) for p in g["params"]])
+                            for g in param_groups(trainer.model, trainer.ctx.weight_decay)]
 
 
 _REAL_COMPUTE_DTYPE = _lora.compute_dtype
@@ -461,7 +465,7 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
             own.append(f"trace: {cfg.n_layer} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces "
                        "(each phase's peak is affine in depth)")
         else:
-            t = _from_base(model_fn, plan, key, steps, alloc_round, own)
+            t = _from_base(model_fn, plan, key, steps, alloc_round, profile, own)
             if t is None:
                 t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
         hit = _CACHE[key] = (t, own)
@@ -481,7 +485,8 @@ def _plain_optimizer(plan: Plan) -> bool:
             and all(getattr(opt, f) is None for f in ("prepare_model", "forward_context", "load_model", "wrap_optimizer")))
 
 
-def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, notes: list[str]) -> dict | None:
+def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, profile: dict | None,
+               notes: list[str]) -> dict | None:
     """The trace of ``plan`` from the trace of its step without the optimizer (cached per plan minus its
     optimizer token, shared by every optimizer) completed by the optimizer's replay profiles
     (:func:`with_optimizer`); None where that does not hold: the optimizer is wrapped, not replayable, or its
@@ -494,7 +499,7 @@ def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, n
     if hit is None:
         own: list[str] = []
         # traced with this plan's own Trainer (its optimizer is never stepped): the same model and step
-        b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, GPU_PROFILES.get(key[6] or ""), own, base=True)
+        b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, profile, own, base=True)
         hit = _CACHE[bkey] = (b, own)
     _CACHE.move_to_end(bkey)
     t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)
@@ -519,8 +524,8 @@ def with_optimizer(t: dict[str, Any], plan: Plan, alloc_round: int = 1) -> dict[
     profs = [_replay.call_profile(opt, call, alloc_round) for call in each]  # what the prefill makes
     if any(max(x for _, x in p.steps[0]) > max(x for _, x in p.steps[1]) for p in profs):
         return None
-    _shift(t, "optimizer", sum(p.state_bytes for p in profs))
     phases, state = t["phase_peaks"], sum(p.state_bytes for p in profs)
+    _shift(t, "optimizer", state)
     f, ops, nbytes, n, sizes = t["counts"]
     sizes = dict(sizes)
     for phase, now, stepped in t.pop("at_step"):
