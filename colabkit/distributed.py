@@ -25,7 +25,6 @@ import ctypes
 import os
 import signal
 import pickle
-import socket
 import sys
 import tempfile
 import threading
@@ -44,13 +43,6 @@ from .data import TextData
 from .plan import Plan, PlanError
 from .train import measure
 from .trainer import Trainer, load_model, weights_sha256
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now, on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_for(device: str | None, world_size: int) -> str:
@@ -113,16 +105,18 @@ def _run_rank(fn: Callable, args: tuple) -> Any:
     return result
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, out_dir: str, parent: int, fn: Callable,
-           args: tuple) -> None:
+def _entry(rank: int, world_size: int, backend: str, out_dir: str, parent: int, fn: Callable, args: tuple) -> None:
     die_with_parent(parent)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
         _share_cores(world_size)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # the ranks meet through a file in this launch's own folder, not a TCP port picked beforehand: two launches
+    # at once (test workers, two notebooks) could pick the same port, and a rank that joined the other
+    # launch's store died with SIGABRT ("terminate called without an active exception")
+    dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
+                            world_size=world_size)
     result = _run_rank(fn, args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -133,7 +127,7 @@ def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None)
     The ranks die with this process."""
     backend = backend_for(device, world_size)
     with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
-        mp.start_processes(_entry, args=(world_size, free_port(), backend, out, os.getpid(), fn, args),
+        mp.start_processes(_entry, args=(world_size, backend, out, os.getpid(), fn, args),
                            nprocs=world_size, join=True, start_method="spawn")
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
 

@@ -154,6 +154,26 @@ def test_fp16_resume_restores_scaler_and_is_exact(ranks):
     assert not torch.equal(first["weights"], full["weights"])  # negative control
 
 
+# ----- launches at once --------------------------------------------------------------------------
+def summed_rank(value: float) -> float:
+    """This launch's ranks each add ``value`` (+ their rank): the sum says which group they met in."""
+    t = rank_tensor([value + dist.get_rank()])
+    collective("all_reduce", t)
+    return float(t)
+
+
+def test_launches_at_once_each_meet_in_their_own_group():
+    """Two launches running at the same time (two test workers, two notebooks) each form their own group:
+    the ranks meet through a file in the launch's own folder. They used to meet on a TCP port picked
+    beforehand, and a rank that joined the other launch's store died with SIGABRT (CI, 2026-11-26)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(launch, summed_rank, 2, v, device="cpu") for v in (10.0, 100.0)]
+        results = [r.result(timeout=300) for r in runs]
+    assert results == [[21.0, 21.0], [201.0, 201.0]]  # 10+0 + 10+1; 100+0 + 100+1: no rank crossed over
+
+
 # ----- 5. ranks die with their parent -----------------------------------------------------------
 def stubborn_rank() -> None:
     """A rank that handles Ctrl-C itself (as a run that checkpoints on interrupt would) and works on:

@@ -18,7 +18,8 @@ code path and the copy's cost, not a saving).
 """
 from __future__ import annotations
 
-import socket
+import os
+import tempfile
 from typing import Any
 
 import torch
@@ -61,15 +62,11 @@ class ShardedSemiseparable:
         return sum(t.untyped_storage().nbytes() for t in (*self.tri, self.U, self.V))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _shard_worker(rank: int, world: int, port: int, n: int, r: int, k: int, queue: Any) -> None:
+def _shard_worker(rank: int, world: int, store: str, n: int, r: int, k: int, queue: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # the ranks meet through a file of this run's own, not a TCP port picked beforehand (two runs at once
+    # could pick the same one)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     install_strict()  # tests: NCCL's device rule (colabkit.collectives)
     try:
         S = SemiseparableMatrix.random(n, r, seed=0)  # the same matrix on every rank (same seed) ...
@@ -93,7 +90,8 @@ def sharded_run(world: int = 2, n: int = 256, rank: int = 8, k: int = 4) -> list
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_shard_worker, args=(world, _free_port(), n, rank, k, queue), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as d:
+        mp.spawn(_shard_worker, args=(world, os.path.join(d, "store"), n, rank, k, queue), nprocs=world, join=True)
     return sorted((queue.get() for _ in range(world)), key=lambda d: d["rank"])
 
 
