@@ -1,7 +1,8 @@
 # Two commands for a fresh machine (see README):
 #   make quickstart   set up, run the quickstart headless on whatever device is here, write report/
 #   make test         set up, run the unit tests, every notebook (nbval, smoke mode) and the browser tests
-#   make test-fast    the edit-test loop: unit tests and doctests only (no slow, notebook or browser tests)
+#   make test-fast    the edit-test loop: unit tests and doctests only (no slow, notebook or browser tests;
+#                     without nbval, whose import of nbformat costs each pytest process ~2 s)
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
@@ -21,4 +22,4 @@ test: setup
 	$(PYTEST) --nbval-lax --nbval-current-env --durations=20 colabkit tests notebooks
 
 test-fast: setup
-	$(PYTEST) -m "not slow and not browser" colabkit tests
+	$(PYTEST) -p no:nbval -m "not slow and not browser" colabkit tests
