@@ -2,9 +2,6 @@
 (a CONSTRUCTED example, not a GPU measurement: see its CONSTRUCTED_EXAMPLE field); and the CLI's refusal
 without a GPU."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,6 @@ from colabkit.estimate.calibrate import NoGPUError, calibrate, calibration_table
 from tests.conftest import requires_cuda
 
 DATA = Path(__file__).parent / "data" / "calibration_t4_constructed.json"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -65,13 +61,16 @@ def test_unknown_gpu_is_refused(recorded):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-def test_cli_says_it_needs_a_gpu():
+def test_cli_says_it_needs_a_gpu(capsys):
+    from colabkit.__main__ import main
+
     with pytest.raises(NoGPUError, match="needs a CUDA GPU"):
         calibrate(store=False)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "colabkit", "calibrate"], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT)
-    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+    # ``python -m colabkit calibrate`` is main(["calibrate"]): its exit status and stderr, in this process
+    capsys.readouterr()
+    assert main(["calibrate"]) == 2
+    out, err = capsys.readouterr()
+    assert "needs a CUDA GPU" in err and err.count("\n") == 1 and err.startswith("error: ") and out == ""
 
 
 @requires_cuda

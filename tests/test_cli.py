@@ -3,6 +3,7 @@ twice; the default checkpoint cadence; `largest` when nothing fits; offline hub 
 sizes as one-line errors; output without other libraries' noise; --help for every flag; the console script
 and the repository's hygiene."""
 import json
+import logging
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import warnings
 
 import pytest
 import torch
@@ -38,7 +40,10 @@ def _readme_train_line() -> list[str]:
 # ----- items 1 and 2: --resume on a fresh folder, a finished run, --steps below the newest checkpoint ---------
 def test_readme_train_line_on_a_fresh_folder_twice(tmp_path, monkeypatch, capsys):
     argv = _readme_train_line()
-    assert "--checkpoint-dir" in argv and "--resume" in argv
+    assert "--checkpoint-dir" in argv and "--resume" in argv and "--batch" not in argv and "--seq" not in argv
+    # the README's line with every flag it gives (steps, checkpoint folder and cadence, --resume); the batch shape it
+    # leaves to the defaults (8 x 128) is made 2 x 16 here: the resume contract does not depend on it, the time does
+    argv += ["--batch", "2", "--seq", "16"]
     monkeypatch.chdir(tmp_path)  # a fresh clone: no ckpt/ yet
     assert main(argv + ["--no-track"]) == 0  # the tracker changes no number; untracked is faster on a CPU
     first = capsys.readouterr()
@@ -131,6 +136,38 @@ def test_plan_table_has_a_header_and_says_what_its_percentage_means(monkeypatch,
 
 
 # ----- item 6: an unreachable hub, no GPU, bad sizes: one line, exit 2, in seconds --------------------------
+def _check_hub_offline_error(rc: int, err: str, took: float) -> None:
+    assert rc == 2, err[-2000:]
+    assert err.count("\n") == 1 and err.startswith("error: hf:nonexistent/xyz is not in this machine's Hugging Face cache")
+    assert "HF_HUB_OFFLINE=1" in err and "HF_HUB_ETAG_TIMEOUT" in err and "shipped_hub_ids()" in err
+    assert took < 30, f"{took:.0f} s"  # before: 5 retries with back-off per lookup (74 s here), then a traceback
+
+
+def test_hf_id_offline_fails_in_seconds_in_process(monkeypatch, capsys):
+    """Fast twin of test_hf_id_offline_fails_in_seconds_with_what_to_do: the same command through ``main``, the hub
+    at the same dead address (huggingface_hub's endpoint, which HF_ENDPOINT sets when it is imported) and the hub's
+    answer forgotten (colabkit asks once per process). Negative control: with HF_HUB_OFFLINE set the same error
+    gives that reason instead of asking the address."""
+    import colabkit.models as models
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: the hub cannot be reached
+    monkeypatch.setattr(models, "_HUB_STATUS", {})
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    capsys.readouterr()
+    t0 = time.monotonic()
+    rc = main(["train", "--model", "hf:nonexistent/xyz", "--steps", "1"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    _check_hub_offline_error(rc, err, took)
+    assert "http://127.0.0.1:9 did not answer within" in err  # it asked the dead address, and said so
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["train", "--model", "hf:nonexistent/xyz", "--steps", "1"]) == 2
+    offline = capsys.readouterr().err
+    assert "(HF_HUB_OFFLINE is set)" in offline and "127.0.0.1:9" not in offline
+
+
+@pytest.mark.slow  # fast twin: test_hf_id_offline_fails_in_seconds_in_process
 def test_hf_id_offline_fails_in_seconds_with_what_to_do():
     env = {**ENV, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there: the hub cannot be reached
     env.pop("HF_HUB_OFFLINE", None)
@@ -138,10 +175,7 @@ def test_hf_id_offline_fails_in_seconds_with_what_to_do():
     p = _cli("train", "--model", "hf:nonexistent/xyz", "--steps", "1", env=env)
     out, err = p.communicate(timeout=120)
     took = time.monotonic() - t0
-    assert p.returncode == 2, err[-2000:]
-    assert err.count("\n") == 1 and err.startswith("error: hf:nonexistent/xyz is not in this machine's Hugging Face cache")
-    assert "HF_HUB_OFFLINE=1" in err and "HF_HUB_ETAG_TIMEOUT" in err and "shipped_hub_ids()" in err
-    assert took < 30, f"{took:.0f} s"  # before: 5 retries with back-off per lookup (74 s here), then a traceback
+    _check_hub_offline_error(p.returncode, err, took)
 
 
 def test_shipped_config_works_offline(monkeypatch):
@@ -200,8 +234,62 @@ for name, args in json.loads(sys.argv[1]).items():
 """
 
 
+def _python_default_warning_filters() -> None:
+    """The warning filters a fresh ``python`` starts with (no -W, no PYTHONWARNINGS), in place of pytest's."""
+    warnings.resetwarnings()  # the default action for the rest: "default" (shown once per place)
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+
+
+def _run_quiet(args: list[str], capfd, caplog) -> tuple[int, str, str]:
+    """``main(args)`` with what a fresh process would show on its stderr: what reached the process's file
+    descriptors 1 and 2 (capfd), every warning the command's filters let through (here recorded instead of
+    printed: pytest's own warning filters replaced by Python's defaults) and every log record of level WARNING or
+    above (in a process without logging set up, Python prints those to stderr), after stderr's text."""
+    capfd.readouterr()
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as shown:
+        _python_default_warning_filters()
+        rc = main(args)
+    out, err = capfd.readouterr()
+    err += "".join(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}\n" for w in shown)
+    err += "".join(f"{r.name}: {r.levelname}: {r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+    return rc, out, err
+
+
+def test_cli_output_is_clean_in_process(tmp_path, monkeypatch, capfd, caplog):
+    """Fast twin of test_cli_output_is_clean_in_one_process and test_cli_output_is_clean_and_explained: the same six
+    commands through the same ``main``, in this process; for each, what it wrote to stdout and stderr, the warnings
+    it let through and its log records at WARNING and above (what a process would print on stderr) must be none.
+    (What a library prints when it is first imported, and a fresh interpreter, are the real-process tests'.)
+    Negative controls: a command that writes an error to stderr is seen, and so is a warning raised by colabkit."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    runs = _clean_runs(tmp_path)
+    outs = {}
+    for k, args in runs.items():
+        rc, out, err = _run_quiet(args, capfd, caplog)
+        assert rc == 0, (k, err[-2000:])
+        assert err == "", f"{k} wrote to stderr: {err[:2000]}"  # no warnings, no 'Failed to load'
+        outs[k] = (out, err)
+    _check_clean_output(outs)
+    # negative controls: an error on stderr, and a warning of colabkit's own (the CLI shows those) raised in a command
+    rc, _, err = _run_quiet(["estimate", "--model", "gpt:2x64", "--plan", "no-such-token"], capfd, caplog)
+    assert rc != 0 and "no-such-token" in err, err
+    cli, real_env = sys.modules["colabkit.__main__"], sys.modules["colabkit.__main__"].env
+
+    def warning_env():  # stacklevel 2: the warning is the caller's, colabkit.__main__'s
+        warnings.warn("a warning of colabkit's", UserWarning, stacklevel=2)
+        return real_env()
+
+    monkeypatch.setattr(cli, "env", warning_env)
+    rc, _, err = _run_quiet(["env"], capfd, caplog)
+    assert rc == 0 and "UserWarning: a warning of colabkit's" in err, err
+
+
+@pytest.mark.slow  # fast twin: test_cli_output_is_clean_in_process
 def test_cli_output_is_clean_in_one_process(tmp_path):
-    """Fast twin of test_cli_output_is_clean_and_explained: the same six commands through the same ``main``,
+    """Twin of test_cli_output_is_clean_and_explained: the same six commands through the same ``main``,
     one after another in one fresh process (one interpreter start and one set of imports instead of six):
     a library's import noise or a warning shows on stderr as it does there (a warning repeated at the same
     place is printed once per process, so the first command to raise it fails). Negative control: a
@@ -222,7 +310,7 @@ def test_cli_output_is_clean_in_one_process(tmp_path):
     _check_clean_output(out)
 
 
-@pytest.mark.slow  # fast twin: test_cli_output_is_clean_in_one_process
+@pytest.mark.slow  # fast twin: test_cli_output_is_clean_in_process
 def test_cli_output_is_clean_and_explained(tmp_path):
     runs = _clean_runs(tmp_path)
     procs = {k: _cli(*v, env={**ENV, "HF_HUB_OFFLINE": "1"}) for k, v in runs.items()}

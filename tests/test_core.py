@@ -1,13 +1,13 @@
 """Models, data, env, the train loop (determinism, exact resume) and the CLI contract."""
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import colabkit
+from colabkit.__main__ import main
 from colabkit.models import PRESETS, build_model, count_params, gpt_config
 from colabkit.plan import Plan, PlanError
 from colabkit.train import measure, train
@@ -120,14 +120,20 @@ def test_measure_reports_errors_instead_of_raising():
     assert not r["ok"] and "unknown plan token" in r["error"]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "colabkit", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """``python -m colabkit <args>`` as that process runs it (``main(argv)``, its exit status, what it printed), in
+    this process: the contract is main's output, not an interpreter start (tests/test_cli.py runs real processes)."""
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
-def test_cli_bench_contract():
-    out = _cli("bench", "--model", "gpt-tiny", "--plan", "baseline", "--device", "cpu", "--steps", "2", "--json", "-")
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_cli_bench_contract(capsys):
+    rc, out, err = _cli(capsys, "bench", "--model", "gpt-tiny", "--plan", "baseline", "--device", "cpu", "--steps", "2",
+                        "--json", "-")
+    assert rc == 0, err
+    data = json.loads(out)  # stdout holds the JSON only
     assert set(data) == {"env", "results"} and data["env"]["device"] in ("cpu", "cuda")
     r = data["results"][0]
     assert set(r["breakdown"]) == {"params", "grads", "optimizer", "activations", "other"}
@@ -136,28 +142,34 @@ def test_cli_bench_contract():
     assert abs(r["breakdown"]["optimizer"] / p - 8) < 0.01
 
 
-def test_cli_env_and_bad_plan():
-    out = _cli("env", "--json", "-")
-    assert out.returncode == 0 and "smoke" in json.loads(out.stdout)
-    out = _cli("bench", "--model", "gpt-tiny", "--plan", "nope", "--device", "cpu", "--steps", "1")
-    assert out.returncode == 1 and "unknown plan token" in out.stdout
+def test_cli_env_and_bad_plan(capsys):
+    rc, out, _ = _cli(capsys, "env", "--json", "-")
+    assert rc == 0 and "smoke" in json.loads(out)
+    rc, out, _ = _cli(capsys, "bench", "--model", "gpt-tiny", "--plan", "nope", "--device", "cpu", "--steps", "1")
+    assert rc == 1 and "unknown plan token" in out
 
 
-def test_cli_train_contract(tmp_path):
-    out = _cli("train", "--model", "gpt-tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--device", "cpu",
-               "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1", "--json", "-")
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_cli_train_contract(tmp_path, capsys):
+    rc, out, err = _cli(capsys, "train", "--model", "gpt-tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--device",
+                        "cpu", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1", "--json", "-")
+    assert rc == 0, err
+    data = json.loads(out)
     assert data["step"] == 2 and len(data["weights_sha256"]) == 64 and data["loss"] > 0
 
 
-def test_benchmark_script_cpu_smoke(tmp_path):
+def _benchmark_script(name: str):
+    """benchmarks/<name>.py as a module (its ``main(argv)`` is what ``python benchmarks/<name>.py`` runs)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_script_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--device", "cpu", "--model",
-                           "gpt-tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--plan", "baseline",
-                           "--plan", "checkpoint", "--plan", "offload:optimizer", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert _benchmark_script("run").main(["--device", "cpu", "--model", "gpt-tiny", "--batch", "2", "--seq", "16",
+                                          "--steps", "2", "--plan", "baseline", "--plan", "checkpoint", "--plan",
+                                          "offload:optimizer", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     base, ck, off = data["results"]
     assert base["ok"] and ck["ok"] and not off["ok"] and "nothing to offload" in off["error"]
@@ -165,6 +177,7 @@ def test_benchmark_script_cpu_smoke(tmp_path):
     # one step and fused AdamW (no step temporaries) the run's peak is the first step's, ~6% lower here
     assert abs(base["estimate_error"]) < 0.05
     assert "| `checkpoint` |" in (tmp_path / "r.md").read_text()
+    assert capsys.readouterr().out.startswith("`gpt-tiny`, batch 2")  # the table, printed as the script prints it
 
 
 def test_load_model_hook_lets_a_technique_load_the_model():

@@ -1,10 +1,17 @@
 """benchmarks/peers.py (issue 25) at tiny sizes: every row runs and lands in the JSON and the table; the
 state bytes it reports agree with the peers' own (bitsandbytes' AdamW8bit layout) and with theory."""
+import contextlib
+import importlib.util
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+import types
+
+import pytest
+import torch
 
 from colabkit.models import build_model
 from colabkit.techniques.optimizers import optimizer_state_bytes
@@ -12,12 +19,7 @@ from colabkit.techniques.optimizers import optimizer_state_bytes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_peers_quick_runs_every_row(tmp_path):
-    out = tmp_path / "peers"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peers.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def _check_every_row(tmp_path) -> None:
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["quick"] and "torch" in data["versions"] and data["device"].startswith("CPU")
     rows = {r["what"]: r for r in data["rows"]}
@@ -40,3 +42,81 @@ def test_peers_quick_runs_every_row(tmp_path):
     assert "| what | colabkit | peer |" in md and "quick mode" in md
     for name in ("adamw4bit", "adamw8bit", "adam-mini", "galore:32", "offload:disk", "MemoryTracker"):
         assert name in md, name
+
+
+def _forked_cli(calls: list):
+    """A stand-in for peers.py's ``subprocess.run`` of ``python -m colabkit <args>``: the launch it asks for is
+    recorded, and the command runs as ``main(args)`` in a forked child of this process (imports already
+    paid): a child process whose exit status and CPU time (RUSAGE_CHILDREN) the row records, stdout through a
+    pipe."""
+    from colabkit.__main__ import main
+
+    def run(cmd, capture_output, text, env, cwd):
+        calls.append((cmd, env, cwd))
+        assert cmd[:3] == [sys.executable, "-m", "colabkit"] and capture_output and text
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 70
+            try:
+                os.close(r)
+                with os.fdopen(w, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(io.StringIO()):
+                    code = main(cmd[3:])
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r) as f:
+            out = f.read()
+        _, status = os.waitpid(pid, 0)
+        return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), out, "")
+    return run
+
+
+def _peers_module():
+    spec = importlib.util.spec_from_file_location("benchmarks_peers", os.path.join(ROOT, "benchmarks", "peers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the CLI row's child is forked")
+def test_peers_quick_rows_in_process(tmp_path, monkeypatch, capsys):
+    """Fast twin of test_peers_quick_runs_every_row: ``peers.py --quick`` through its ``main(argv)`` in this process,
+    every row at the quick sizes, the same assertions on the same JSON and table; the CLI row's ``python -m colabkit``
+    child forked from this process (see _forked_cli) instead of a fresh interpreter, its launch (interpreter,
+    one thread, this checkout first on the path) checked. Negative control: a CLI row whose command fails is
+    refused by the same assertions."""
+    peers = _peers_module()
+    calls = []
+    monkeypatch.setattr(peers, "subprocess", types.SimpleNamespace(run=_forked_cli(calls)))  # peers' name only
+    threads = torch.get_num_threads()
+    try:
+        assert peers.main(["--quick", "--out", str(tmp_path / "peers")]) == 0
+    finally:
+        torch.set_num_threads(threads)  # run() sets one thread for its timings
+    assert "| what | colabkit | peer |" in capsys.readouterr().out  # the table, printed
+    (args,) = dict(peers.SIZES["quick"]["cli"]).values()
+    assert len(calls) == 1 + peers.SIZES["quick"]["cli_repeats"]  # a warm-up run, then the timed ones
+    for cmd, env, cwd in calls:
+        assert cmd == [sys.executable, "-m", "colabkit", *args] and cwd == peers.ROOT == ROOT
+        assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    _check_every_row(tmp_path)
+    # negative control: the CLI row of a command that exits 2 (an unknown plan token) fails the same checks
+    data = json.loads((tmp_path / "peers.json").read_text())
+    calls.clear()
+    monkeypatch.setitem(peers.SIZES["quick"], "cli", [("estimate", [*args, "--plan", "no-such-token"])])
+    data["rows"] = [r for r in data["rows"] if r["kind"] != "cli"] + peers.cli_rows(peers.SIZES["quick"])
+    assert [r["exit_code"] for r in data["rows"] if r["kind"] == "cli"] == [2]
+    (tmp_path / "peers.json").write_text(json.dumps(data))
+    with pytest.raises(AssertionError):
+        _check_every_row(tmp_path)
+
+
+@pytest.mark.slow  # fast twin: test_peers_quick_rows_in_process
+def test_peers_quick_runs_every_row(tmp_path):
+    out = tmp_path / "peers"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peers.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _check_every_row(tmp_path)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from colabkit.techniques import offload as off
 
@@ -17,12 +18,8 @@ st = importlib.import_module("colabkit.selftest")  # the module (colabkit.selfte
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_cli_selftest_on_cpu_is_the_simulated_twin(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "colabkit", "selftest", "--json", "-", "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r = json.loads(p.stdout)  # stdout holds the JSON only
+def _check_simulated_report(out: str, tmp_path) -> None:
+    r = json.loads(out)  # stdout holds the JSON only
     assert r["simulated"] is True and r["ok"] is True
     status = {c["name"]: c["status"] for c in r["checks"]}
     assert list(status) == list(st.CHECKS)
@@ -40,6 +37,35 @@ def test_cli_selftest_on_cpu_is_the_simulated_twin(tmp_path):
     assert saved["checks"] == r["checks"]
     md = (tmp_path / "selftest.md").read_text()
     assert "simulated" in md and all(f"| {n} | {s} |" in md for n, s in status.items())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU twin: on a GPU the checks run for real")
+def test_selftest_on_cpu_is_the_simulated_twin_in_process(tmp_path, monkeypatch, capfd):
+    """Fast twin of test_cli_selftest_on_cpu_is_the_simulated_twin: ``python -m colabkit selftest --json - --out DIR``
+    is ``main([...])``, run here with the same arguments from the same folder; capfd holds what reached the
+    process's stdout (file descriptor 1 included), which must be the JSON document only. Negative control:
+    a report with a failing check is refused by the same assertions."""
+    from colabkit.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    assert main(["selftest", "--json", "-", "--out", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()
+    assert "please attach them to your issue" in err  # colabkit's message went to stderr, not into the JSON
+    _check_simulated_report(out, tmp_path)
+    broken = json.loads(out)  # negative control: one check failed -> ok False, and the assertions say so
+    broken["checks"][0]["status"], broken["ok"] = "fail", False
+    with pytest.raises(AssertionError):
+        _check_simulated_report(json.dumps(broken), tmp_path)
+
+
+@pytest.mark.slow  # fast twin: test_selftest_on_cpu_is_the_simulated_twin_in_process
+def test_cli_selftest_on_cpu_is_the_simulated_twin(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "colabkit", "selftest", "--json", "-", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _check_simulated_report(p.stdout, tmp_path)
 
 
 def test_a_failing_check_exits_1(tmp_path, monkeypatch):
