@@ -1,15 +1,21 @@
 """The multi-GPU paths proven on CPU ranks: NCCL's device rule enforced on gloo (strict collectives),
 FSDP2 on a meta-built model (no rank ever holds the whole model), fp16 with sharded gradients,
 sharded checkpoints that restore the loss scaler, ranks that die with their parent, and torchrun.
-One spawn runs every in-rank check (process start is the slow part)."""
+One spawn runs every in-rank check, next to a second one at the same time (two launches at once must
+each meet in their own group); process start is the slow part. The real SIGKILL and torchrun runs are
+``slow``: their fast twins run the same rank entry and torchrun path without starting a Python."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -18,7 +24,7 @@ import torch.distributed as dist
 
 from colabkit import build_model, weights_sha256
 from colabkit.collectives import STRICT_ENV, collective, install_strict, rank_tensor, uninstall_strict
-from colabkit.distributed import RankData, global_mean, launch, load_sharded, save_sharded
+from colabkit.distributed import RankData, _entry, global_mean, launch, load_sharded, save_sharded, train_ranks
 from colabkit.memory import MemoryTracker
 from colabkit.trainer import Trainer, load_model
 
@@ -110,15 +116,49 @@ def _fp16_run(directory: str, steps: int, save_at: int, resume: bool) -> dict:
 
 
 def _ranks(directory: str) -> dict:
-    out = {"meta": _meta_build(), "inf": _found_inf_agreed()}
+    out = {"group": summed_rank(10.0), "meta": _meta_build(), "inf": _found_inf_agreed()}
     out["fp16"] = [_fp16_run(directory, 5, 0, False), _fp16_run(directory, 2, 2, False),
                    _fp16_run(directory, 5, 0, True)]
+    from colabkit.__main__ import build_parser
+
+    a = build_parser().parse_args(TRAIN)  # what train --world-size 2 runs in each spawned rank
+    out["spawned"] = train_ranks(a.model, a.plan[0], a.steps, a.batch, a.seq, a.seed, a.device, a.lr, None, 0, False)
+    out["torchrun"] = _as_torchrun_rank(TRAIN)
     return out
 
 
+STRUCTURED_N, STRUCTURED_R = 256, 8
+
+
+def _structured_ranks() -> dict:
+    """The second launch: a SemiseparableMatrix's factors split across its two ranks (rows 0:128, 128:256),
+    its product against the dense matrix materialised here from the parts, with and without the all-reduce."""
+    from colabkit.structured import SemiseparableMatrix, ShardedSemiseparable, relative_error
+
+    S = SemiseparableMatrix.random(STRUCTURED_N, STRUCTURED_R, seed=0)  # the same matrix on every rank
+    shard = ShardedSemiseparable(S, dist.get_rank(), dist.get_world_size())
+    d = lambda t: t.double()  # noqa: E731  (the dense reference without SemiseparableMatrix code)
+    dense = torch.diag(d(S.diag)) + torch.diag(d(S.sup), 1) + torch.diag(d(S.sub), -1) + d(S.U) @ d(S.V).T
+    del S  # this rank keeps only its shard
+    x = torch.randn(STRUCTURED_N, 4, generator=torch.Generator().manual_seed(1))
+    ref = dense @ x.double()
+    return {"group": summed_rank(100.0), "rank": dist.get_rank(), "bytes": shard.nbytes(), "rows": shard.stop - shard.start,
+            "error": relative_error(shard @ x, ref), "error_without_allreduce": relative_error(shard.matmul(x, reduce=False), ref)}
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch(_ranks, WORLD, str(tmp_path_factory.mktemp("fp16ckpt")), device="cpu")
+def launches(tmp_path_factory):
+    """Two launches at the same time, as two test workers or two notebooks start them: this file's rank
+    checks, and the structured factors' ranks."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(launch, _ranks, WORLD, str(tmp_path_factory.mktemp("fp16ckpt")), device="cpu"),
+                pool.submit(launch, _structured_ranks, WORLD, device="cpu")]
+        return [r.result(timeout=300) for r in runs]
+
+
+@pytest.fixture(scope="module")
+def ranks(launches):
+    return launches[0]
 
 
 def test_meta_build_shards_before_weights_exist(ranks):
@@ -162,16 +202,28 @@ def summed_rank(value: float) -> float:
     return float(t)
 
 
-def test_launches_at_once_each_meet_in_their_own_group():
+def test_launches_at_once_each_meet_in_their_own_group(launches):
     """Two launches running at the same time (two test workers, two notebooks) each form their own group:
     the ranks meet through a file in the launch's own folder. They used to meet on a TCP port picked
-    beforehand, and a rank that joined the other launch's store died with SIGABRT (CI, 2026-11-26)."""
-    from concurrent.futures import ThreadPoolExecutor
+    beforehand, and a rank that joined the other launch's store died with SIGABRT (CI, 2026-11-26).
+    (The two launches are this file's: its rank checks and the structured factors', started together.)"""
+    first, second = launches
+    assert [r["group"] for r in first] == [21.0, 21.0]  # 10+0 + 10+1: no rank crossed over
+    assert [r["group"] for r in second] == [201.0, 201.0]  # 100+0 + 100+1
 
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(launch, summed_rank, 2, v, device="cpu") for v in (10.0, 100.0)]
-        results = [r.result(timeout=300) for r in runs]
-    assert results == [[21.0, 21.0], [201.0, 201.0]]  # 10+0 + 10+1; 100+0 + 100+1: no rank crossed over
+
+def test_structured_factors_split_across_two_gloo_ranks(launches):
+    """The fast twin of test_structured.py::test_factors_split_across_two_gloo_processes, in this file's launch."""
+    from colabkit.structured import SemiseparableMatrix, sharded_bytes
+
+    full = SemiseparableMatrix.random(STRUCTURED_N, STRUCTURED_R).nbytes()
+    ranks = launches[1]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["error"] <= 1e-5
+        assert r["error_without_allreduce"] > 0.1  # negative control: each rank alone is wrong
+        assert r["bytes"] == sharded_bytes(STRUCTURED_N, STRUCTURED_R, 2) < full
+        assert r["rows"] == 128
 
 
 # ----- 5. ranks die with their parent -----------------------------------------------------------
@@ -219,13 +271,91 @@ def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
                 p.kill()
 
 
+@pytest.mark.slow  # fast twin: test_sigkill_of_a_forked_parent_ends_stubborn_ranks_of_the_launch_entry
 def test_sigkill_of_parent_ends_even_stubborn_ranks():
     code = "from colabkit.distributed import launch; from tests.test_distributed import stubborn_rank; " \
            "launch(stubborn_rank, 2, device='cpu')"
     assert _kill_parent_and_watch([sys.executable, "-c", code], timeout=5) == []
 
 
-@pytest.mark.slow  # fast twin: test_sigkill_of_parent_ends_even_stubborn_ranks (the same kill, without the CLI)
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie waits only for its reaping: it runs nothing)."""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return [p for p in procs if running(p)]
+
+
+def _fork(body) -> int:
+    """Run ``body()`` in a forked child (no new Python to start) that ends there, never back in this code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            body()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _forked_parent(out: str) -> None:
+    """The parent: two ranks through launch's own rank entry (die_with_parent, the group through a file in the
+    launch folder, strict collectives) running stubborn_rank, and two stubborn children with torch spawn's rule
+    only (the kernel's SIGINT at the parent's death); their pids go to ``out/pids.json``."""
+    me = os.getpid()
+    ranks = [_fork(lambda r=r: _entry(r, WORLD, "gloo", out, me, stubborn_rank, ())) for r in range(WORLD)]
+    controls = [_fork(lambda: (torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT), stubborn_rank()))
+                for _ in range(WORLD)]
+    with open(os.path.join(out, "pids.tmp"), "w") as f:
+        json.dump({"ranks": ranks, "controls": controls}, f)
+    os.replace(os.path.join(out, "pids.tmp"), os.path.join(out, "pids.json"))
+    while True:
+        time.sleep(1)
+
+
+def test_sigkill_of_a_forked_parent_ends_stubborn_ranks_of_the_launch_entry(tmp_path):
+    """The fast twin of the SIGKILL tests above: the same ranks (launch's rank entry running stubborn_rank),
+    forked from a forked parent instead of spawned by a new Python; SIGKILL the parent once both ranks are in
+    their process group. Negative control: stubborn children with torch spawn's own rule only live on."""
+    parent = _fork(lambda: _forked_parent(str(tmp_path)))
+    family: list[psutil.Process] = []
+    try:
+        deadline, pids = time.time() + 90, tmp_path / "pids.json"
+        while time.time() < deadline and not pids.exists():
+            time.sleep(0.05)
+        started = json.loads(pids.read_text())
+        ranks, controls = ([psutil.Process(p) for p in started[k]] for k in ("ranks", "controls"))
+        family = ranks + controls
+        while time.time() < deadline and not all(_connected(r) for r in ranks):
+            time.sleep(0.05)  # until both ranks are in the process group (a TCP connection each)
+        assert all(_connected(r) for r in ranks), "the ranks did not start"
+        os.kill(parent, signal.SIGKILL)
+        os.waitpid(parent, 0)
+        deadline = time.time() + 5
+        while time.time() < deadline and _running(ranks):
+            time.sleep(0.05)
+        assert _running(ranks) == []
+        time.sleep(0.3)  # the parent is gone: the controls' SIGINT came, and was ignored
+        assert _running(controls) == controls
+    finally:  # never leave anything of this test behind
+        try:
+            os.kill(parent, signal.SIGKILL)
+            os.waitpid(parent, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.mark.slow  # fast twin: test_sigkill_of_a_forked_parent_ends_stubborn_ranks_of_the_launch_entry
 def test_sigkill_of_train_world_size_two_ends_its_ranks():
     cmd = [sys.executable, "-m", "colabkit", "train", "--model", "gpt:2x64", "--device", "cpu", "--no-track",
            "--batch", "4", "--seq", "16", "--plan", "zero:1", "--steps", "100000", "--world-size", "2"]
@@ -233,16 +363,58 @@ def test_sigkill_of_train_world_size_two_ends_its_ranks():
 
 
 # ----- 6. torchrun ------------------------------------------------------------------------------
+TRAIN = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
+         "--seq", "16", "--no-track", "--json", "-"]
+
+
+@pytest.mark.slow  # fast twin: test_torchrun_path_equals_the_spawned_ranks
 def test_torchrun_equals_world_size_two():
-    args = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "--device", "cpu", "--batch", "4",
-            "--seq", "16", "--no-track", "--json", "-"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
     runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for cmd in (torchrun + args, [sys.executable, "-m", "colabkit", *args, "--world-size", "2"])]
+            for cmd in (torchrun + TRAIN, [sys.executable, "-m", "colabkit", *TRAIN, "--world-size", "2"])]
     (by_torchrun, err), (spawned, _) = (p.communicate(timeout=300) for p in runs)
     assert [p.returncode for p in runs] == [0, 0], err[-2000:]
     result, spawned = json.loads(by_torchrun), json.loads(spawned)  # torchrun: rank 0 printed, rank 1 nothing
+    assert result["losses"] == spawned["losses"] and result["weights_sha256"] == spawned["weights_sha256"]
+    torch.manual_seed(0)
+    assert weights_sha256(build_model("gpt:4x128", seq=16)) != result["weights_sha256"]  # negative control: it trained
+
+
+def _as_torchrun_rank(argv: list[str]) -> dict:
+    """In a launched rank: the CLI as torchrun starts it -- out of this launch's group, torchrun's variables
+    set (RANK, LOCAL_RANK, WORLD_SIZE are already: launch's rank entry sets them), the rendezvous store
+    hosted by rank 0 as torchrun's agent hosts it -- then back in a group for the launch's closing barrier."""
+    from colabkit.__main__ import main
+
+    rank = dist.get_rank()
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = rank_tensor([store.port if store else 0])  # the port the system gave rank 0's store
+    collective("broadcast", port)
+    store = store or dist.TCPStore("127.0.0.1", int(port), WORLD, is_master=False)
+    dist.destroy_process_group()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(int(port)), LOCAL_WORLD_SIZE=str(WORLD),
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    os.environ.update(env)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = main(argv)
+    finally:
+        for k in env:
+            del os.environ[k]
+    dist.init_process_group("gloo", store=dist.PrefixStore("back", store), rank=rank, world_size=WORLD)
+    return {"code": code, "stdout": out.getvalue()}
+
+
+def test_torchrun_path_equals_the_spawned_ranks(ranks):
+    """The fast twin of test_torchrun_equals_world_size_two, in this file's launch: the same CLI run as
+    torchrun's two ranks (run_here: the group from env://, rank 0 prints) against what --world-size 2's
+    spawned ranks run (train_ranks with the CLI's arguments, in the launch's group)."""
+    (first, second), spawned = (r["torchrun"] for r in ranks), ranks[0]["spawned"]
+    assert (first["code"], second["code"]) == (0, 0), first["stdout"][-2000:]
+    assert second["stdout"] == ""  # torchrun: rank 0 prints, rank 1 nothing
+    result = json.loads(first["stdout"])
     assert result["losses"] == spawned["losses"] and result["weights_sha256"] == spawned["weights_sha256"]
     torch.manual_seed(0)
     assert weights_sha256(build_model("gpt:4x128", seq=16)) != result["weights_sha256"]  # negative control: it trained

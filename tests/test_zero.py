@@ -1,6 +1,7 @@
 """ZeRO 1/2/3 on 2 CPU ranks (gloo), in the style of PyTorch's FSDP tests: loss parity with one
 process, per-rank parameter/gradient/optimizer bytes against the ZeRO formulas, exact resume of a
-sharded checkpoint, and clear refusals. One spawn runs every plan (process start is the slow part)."""
+sharded checkpoint, and clear refusals. One spawn runs every plan and the resume runs (process start is the
+slow part)."""
 from __future__ import annotations
 
 import math
@@ -19,12 +20,33 @@ from colabkit.plan import REGISTRY, Context, Plan, PlanError
 MODEL, BATCH, SEQ, STEPS, WORLD = "gpt:2x128", 8, 32, 5, 2
 
 
+def _bench_and_resume(fn, args: tuple, directory: str) -> dict:
+    """In each rank: bench_sharded's own rank function, then the resume runs (one spawn for both)."""
+    return {"bench": fn(*args), "resume": _resume_ranks(directory)}
+
+
 @pytest.fixture(scope="module")
-def runs():
-    single = measure(MODEL, "baseline", batch=BATCH, seq=SEQ, steps=STEPS, device="cpu")
-    sharded = bench_sharded(MODEL, ["zero:1", "zero:2", "zero:3", COMPOSED, *FP16], world_size=WORLD, batch=BATCH,
-                            seq=SEQ, steps=STEPS, device="cpu")
-    return single, {r["plan"]: r for r in sharded}
+def spawned(tmp_path_factory):
+    """``bench --world-size 2`` through bench_sharded's own code, whose launch also runs the resume runs in
+    the same ranks: one spawn for the whole file (process start is the slow part)."""
+    directory, resumed = tmp_path_factory.mktemp("resume"), []
+
+    def launch_with_resume(fn, world_size, *args, device=None):
+        ranks = launch(_bench_and_resume, world_size, fn, args, str(directory), device=device)
+        resumed.append(ranks[0]["resume"])
+        return [r["bench"] for r in ranks]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("colabkit.distributed.launch", launch_with_resume)
+        sharded = bench_sharded(MODEL, ["zero:1", "zero:2", "zero:3", COMPOSED, *FP16], world_size=WORLD, batch=BATCH,
+                                seq=SEQ, steps=STEPS, device="cpu")
+    return {r["plan"]: r for r in sharded}, resumed[0], directory
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    single = measure(MODEL, "baseline", batch=BATCH, seq=SEQ, steps=STEPS, device="cpu")  # first, as it always was
+    return single, request.getfixturevalue("spawned")[0]
 
 
 COMPOSED = "zero:3+checkpoint+compress:int8+accum:2"
@@ -136,14 +158,14 @@ def _resume_ranks(directory: str):
     return out
 
 
-def test_sharded_resume_is_exact_and_consolidates(tmp_path):
+def test_sharded_resume_is_exact_and_consolidates(spawned):
     """zero:1 (ZeroRedundancyOptimizer shards in each rank's file), zero:2 and zero:3 (FSDP2 through DCP)."""
-    runs = launch(_resume_ranks, WORLD, str(tmp_path), device="cpu")[0]
+    _, runs, directory = spawned
     for stage, (full, first, rest) in runs.items():
         assert rest["weights_sha256"] == full["weights_sha256"] != first["weights_sha256"], stage  # negative control
         assert rest["losses"] == full["losses"][2:], stage
         model = build_model("gpt-tiny")
-        model.load_state_dict(consolidate(str(tmp_path / f"zero{stage}")))  # one process, no process group
+        model.load_state_dict(consolidate(str(directory / f"zero{stage}")))  # one process, no process group
         assert weights_sha256(model) == full["weights_sha256"], stage
 
 
