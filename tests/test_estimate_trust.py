@@ -111,9 +111,9 @@ def test_qlora_8b_offline_with_the_dtypes_of_a_gpu_run(monkeypatch):
 
 
 def test_the_fp32_build_counts_only_where_it_happens():
-    full = colabkit.estimate("gpt:4x256", "fp16", batch=1, seq=64, gpu="t4")   # built in fp32 on the GPU
+    full = colabkit.estimate("gpt:2x256", "fp16", batch=1, seq=64, gpu="t4")   # built in fp32 on the GPU
     assert full["build_bytes"] == 4 * full["params"] and "build" in full["resources"]
-    q = colabkit.estimate("gpt:4x256", "qlora:8", batch=1, seq=64, gpu="t4")   # meta build, layer by layer into NF4
+    q = colabkit.estimate("gpt:2x256", "qlora:8", batch=1, seq=64, gpu="t4")   # meta build, layer by layer into NF4
     assert "build" not in q["resources"]
 
 
