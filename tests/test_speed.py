@@ -26,28 +26,57 @@ MODEL, B, S = "gpt:4x256", 4, 128
 PLANS = ["lora:8", "baseline", "checkpoint", "compress:int8", "adafactor+compress:int8+accum:4"]
 
 
-def _runner(plan):
+def _runner(model, batch, seq, plan):
     torch.manual_seed(0)
-    trainer = Trainer(build_model(MODEL, seq=S), plan, device="cpu")
-    x = torch.randint(0, 256, (B, S))
+    trainer = Trainer(build_model(model, seq=seq), plan, device="cpu")
+    x = torch.randint(0, 256, (batch, seq))
     return lambda: trainer.step(x, x)
 
 
-def test_predicted_step_times_rank_and_ratio_like_measured_ones():
-    pred = {p: predict_step_time(MODEL, p, B, S)["step_time_s"] for p in PLANS}
+def _apart(r_meas):
+    """The pairs of plans the measurement tells apart (> 15%)."""
+    return [(a, b) for i, a in enumerate(PLANS) for b in PLANS[i + 1:] if abs(r_meas[a] / r_meas[b] - 1) > 0.15]
+
+
+def _wrong(r_pred, r_meas):
+    """What a prediction gets wrong against the measurement: a plan's ratio to baseline off by more than 25%,
+    or the order of a pair the measurement tells apart -- whatever the CPU (a 2-core Xeon runs checkpoint
+    faster than compress:int8, a 2-core EPYC the other way round, both within 10% of each other)."""
+    off = [(p, r_pred[p], r_meas[p]) for p in PLANS if abs(r_pred[p] / r_meas[p] - 1) > 0.25]
+    return off + [(a, b) for a, b in _apart(r_meas) if (r_pred[a] < r_pred[b]) != (r_meas[a] < r_meas[b])]
+
+
+def _check_against_measured(model, batch, seq):
+    pred = {p: predict_step_time(model, p, batch, seq)["step_time_s"] for p in PLANS}
     r_pred = {p: pred[p] / pred["baseline"] for p in PLANS}
     # ratios: the median of the per-round ratios (each round runs every plan back to back: a burst of load on
     # the shared machine hits all of them)
-    meas = interleaved({p: _runner(p) for p in PLANS}, warmup=1, repeats=7)
+    meas = interleaved({p: _runner(model, batch, seq, p) for p in PLANS}, warmup=1, repeats=7)
     r_meas = {p: ratio(meas, p, "baseline") for p in PLANS}
-    for p in PLANS:
-        assert abs(r_pred[p] / r_meas[p] - 1) <= 0.25, (p, r_pred[p], r_meas[p])
-    # the order of every pair the measurement tells apart (> 15%), whatever the CPU (a 2-core Xeon runs
-    # checkpoint faster than compress:int8, a 2-core EPYC the other way round, both within 10% of each other)
-    apart = [(a, b) for i, a in enumerate(PLANS) for b in PLANS[i + 1:] if abs(r_meas[a] / r_meas[b] - 1) > 0.15]
-    assert len(apart) >= 5, r_meas
-    for a, b in apart:
-        assert (r_pred[a] < r_pred[b]) == (r_meas[a] < r_meas[b]), (a, b, r_pred, r_meas)
+    assert len(_apart(r_meas)) >= 5, r_meas  # the plans' step times are apart: the order means something
+    assert _wrong(r_pred, r_meas) == [], (r_pred, r_meas)
+    return r_pred, r_meas
+
+
+@pytest.mark.slow  # fast twin: test_predicted_step_times_of_a_smaller_model_rank_and_ratio_like_measured_ones
+def test_predicted_step_times_rank_and_ratio_like_measured_ones():
+    _check_against_measured(MODEL, B, S)
+
+
+def test_predicted_step_times_of_a_smaller_model_rank_and_ratio_like_measured_ones():
+    """The same five plans and the same check on gpt:2x256 at batch 4 x seq 128 (half the measured work;
+    2 layers: counted whole, no depth extrapolation). Measured on CPU, 2 cores, torch 2.13.0+cpu (2026-11-26),
+    predicted / measured ratio to baseline, two runs with the machine quiet: lora:8 0.76 / 0.64-0.65,
+    checkpoint 1.22 / 1.25-1.28, compress:int8 1.09 / 1.20, adafactor+compress:int8+accum:4 1.27 / 1.38 (gpt:4x256
+    in the same minute: 0.76 / 0.65-0.67, 1.22 / 1.27-1.29, 1.09 / 1.21, 1.29 / 1.34-1.37); three with other
+    test runs on both cores: lora:8 0.76 / 0.65-0.72, checkpoint 1.22 / 1.24-1.25, compress:int8 1.11 /
+    1.18-1.26, adafactor+compress:int8+accum:4 1.34 / 1.44-1.49; 7-9 of the 10 pairs apart. (At seq 64, a
+    third of the work, lora:8 reached +25% with the machine quiet: too near the test's 25%.)"""
+    r_pred, r_meas = _check_against_measured("gpt:2x256", 4, 128)
+    # negative control: a prediction blind to checkpoint's recomputation (checkpoint = baseline) is caught:
+    # the measurement tells the two apart (1.24-1.40x on this CPU at every size tried)
+    blind = dict(r_pred, checkpoint=r_pred["baseline"])
+    assert _wrong(blind, r_meas), (blind, r_meas)
 
 
 def test_flops_follow_the_textbook_count():
@@ -68,7 +97,13 @@ def test_estimate_reports_step_time_with_its_source():
     assert s["terms"]["pcie"] > s["terms"]["compute"] and "PCIe 3.0" in s["source"] and s["uncertainty"] > 0
 
 
-@pytest.mark.parametrize("plan", ["baseline", "checkpoint", "lora:8"])
+@pytest.mark.parametrize("plan", [
+    "baseline",
+    # (checkpoint's deep counts against a full trace: also test_estimate_fast.py's step-counts test, fast)
+    # fast twin: test_deep_gpt_counts_are_extrapolated_exactly[baseline]
+    pytest.param("checkpoint", marks=pytest.mark.slow),
+    # fast twin: test_deep_gpt_counts_are_extrapolated_exactly[baseline]
+    pytest.param("lora:8", marks=pytest.mark.slow)])
 def test_deep_gpt_counts_are_extrapolated_exactly(plan, monkeypatch):
     """A GPT deeper than the trace's depths is counted at 2 and 3 layers and extrapolated (every block runs the
     same kernels): equal to counting the whole model, and cached per shape, not per builder (the planner makes a
@@ -84,7 +119,7 @@ def test_deep_gpt_counts_are_extrapolated_exactly(plan, monkeypatch):
     # bytes by kernel size: the same total; the buckets are approximate (a kernel over all parameters, the fused
     # optimizer's, moves to a larger size bucket with depth, which changes its CPU bandwidth by a few %)
     assert sum(b for _, b in ext[4]) == sum(b for _, b in full[4])
-    shallow = speed._count(gpt_builder(gpt_config("gpt:3x64", dropout=0.0)), plan, 2, 32)
+    shallow = speed._flops(gpt_builder(gpt_config("gpt:3x64", dropout=0.0)), plan, 2, 32)  # counted for ext
     assert shallow[0] < 0.8 * full[0]
     calls = []
     monkeypatch.setattr(speed, "_count", lambda *a: calls.append(a) or full)
