@@ -82,6 +82,7 @@ def _cli(*args):
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
+@pytest.mark.slow  # fast twin: test_cli_train_resume_with_offload_sim_in_process
 def test_cli_train_resume_with_offload_sim(tmp_path):
     # the done-when command through the CLI in a subprocess (a smaller model to keep it fast; the
     # issue's gpt:4x128 sizes run in-process above): the first run stops at the checkpoint
@@ -97,6 +98,23 @@ def test_cli_train_resume_with_offload_sim(tmp_path):
     with one_thread():
         full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
     assert resumed["simulated"] is True and resumed["step"] == 4
+    assert resumed["weights_sha256"] == full["weights_sha256"]
+
+
+def test_cli_train_resume_with_offload_sim_in_process(tmp_path, capsys):
+    """Fast twin of the subprocess test above: the same commands through the CLI's entry point in process."""
+    base = ["train", "--model", "gpt:2x64", "--plan", "offload:optimizer", "--offload-sim", "--batch", "4",
+            "--seq", "32", "--seed", "7", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    from colabkit.__main__ import main
+
+    assert main(base + ["--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--steps", "4", "--resume", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    resumed = json.loads(out[out.index("{"):])
+    full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
+    assert resumed["simulated"] is True and resumed["step"] == 4
+    assert resumed["resumed_from"].endswith("ckpt-00000002.ckpt")  # it did resume, not start again
     assert resumed["weights_sha256"] == full["weights_sha256"]
 
 
