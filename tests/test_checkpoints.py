@@ -51,6 +51,7 @@ def _sha(p):
     return json.loads(p.stdout[p.stdout.index("{"):])["weights_sha256"]
 
 
+@pytest.mark.slow  # fast twin: test_cli_killed_run_resumes_and_falls_back_in_process
 def test_cli_sigkill_resume_and_fallback(tmp_path):
     d = str(tmp_path / "ckpt")
     # the uninterrupted run, in-process through the function the CLI calls (untracked: faster, same numbers)
@@ -81,6 +82,55 @@ def test_cli_sigkill_resume_and_fallback(tmp_path):
     assert _sha(again) == reference
     names = sorted(os.listdir(d))
     assert names == ["ckpt-00000030.ckpt", "ckpt-00000035.ckpt", "ckpt-00000040.ckpt"]  # keep 3, no temp files
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: no ``except Exception`` catches it, and ``train`` writes no end-of-run checkpoint."""
+
+
+def test_cli_killed_run_resumes_and_falls_back_in_process(tmp_path, monkeypatch, capsys):
+    """Fast twin of the SIGKILL test above, through the same CLI entry point in process: a run killed
+    mid-way (step 8 of 12; checkpoints every 3) resumes from its newest checkpoint and ends bit-identical
+    to the uninterrupted run; with the newest checkpoint cut short, --resume skips it, takes the one before
+    and ends the same; 3 kept, no temp files."""
+    from colabkit.__main__ import main
+    train_mod = sys.modules["colabkit.train"]  # the module (colabkit.train is also the function's name)
+
+    d = str(tmp_path / "ckpt")
+    args = ["train", "--model", "gpt:2x64", "--plan", "adamw8bit", "--steps", "12", "--batch", "4", "--seq", "32",
+            "--seed", "7", "--device", "cpu", "--json", "-", "--no-track", "--checkpoint-dir", d,
+            "--checkpoint-every", "3"]
+    reference = train("gpt:2x64", plan="adamw8bit", steps=12, batch=4, seq=32, seed=7, device="cpu",
+                      progress=False, track=False)["weights_sha256"]
+
+    def run(*extra):
+        capsys.readouterr()
+        assert main(args + list(extra)) == 0
+        out = capsys.readouterr().out
+        return json.loads(out[out.index("{"):])
+
+    step = train_mod._step
+
+    def killed_at_8(trainer, *a, **k):
+        if trainer.step_count == 8:
+            raise _Killed
+        return step(trainer, *a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "_step", killed_at_8)
+        with pytest.raises(_Killed):
+            main(args)
+    assert [s for s, _ in list_checkpoints(d)] == [3, 6]  # killed: nothing written after step 6
+    resumed = run("--resume")
+    assert resumed["resumed_from"].endswith("ckpt-00000006.ckpt")
+    assert resumed["weights_sha256"] == reference  # bit-identical to the uninterrupted run
+    newest = list_checkpoints(d)[-1][1]
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000012.ckpt"):
+        again = run("--resume")
+    assert again["resumed_from"].endswith("ckpt-00000009.ckpt")
+    assert again["weights_sha256"] == reference
+    assert sorted(os.listdir(d)) == ["ckpt-00000006.ckpt", "ckpt-00000009.ckpt", "ckpt-00000012.ckpt"]
 
 
 @pytest.mark.parametrize("plan", ["adamw8bit", "adamw4bit", "fused-step", "sgd:0.9+accum:2", "lion8bit", "adafactor",
@@ -176,21 +226,63 @@ RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _save_peak(tmp_path, model: str) -> dict:
+def _save_peak(tmp_path, model: str, fork: bool = False) -> dict:
+    """RSS_SCRIPT in a fresh interpreter, or (fork=True) in a forked child of this process: the same
+    script and count from the child's own start, without the interpreter's imports (~5 s CPU)."""
     pytest.importorskip("psutil")
-    p = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), model], env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    if fork:
+        out = _script_in_fork(RSS_SCRIPT, [str(tmp_path), model])
+    else:
+        p = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), model], env=ENV, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        out = p.stdout
+    r = json.loads(out.strip().splitlines()[-1])
     print(r)
     return r
+
+
+def _script_in_fork(script: str, argv: list[str], timeout: int = 300) -> str:
+    """Run `script` (as ``python -c script *argv`` would) in a forked child; its stdout. The child dies by
+    SIGALRM after `timeout` s rather than hang the run, and never returns into pytest."""
+    import io
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(timeout)
+            torch.set_num_threads(1)
+            import ctypes
+            import gc
+            gc.collect()  # the parent's freed heap handed back: the script cannot reuse resident free pages unseen
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            sys.argv = ["-c", *argv]
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                exec(script, {"__name__": "__main__"})
+            os.write(w, buf.getvalue().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and out, f"forked child failed (wait status {status})"
+    return out.decode()
 
 
 def test_save_peak_host_memory_is_small_gpt_4x512(tmp_path):
     """Fast twin of the test below at 1/11 of its size: gpt:4x512 with AdamW state (~13M params, 0.16 GB),
     the same bounds (<= 10% of the checkpoint; the negative control ~ its size). Measured: the save 1 MB,
-    torch.save into memory 53 MB (CPU, 2026-11-26)."""
-    r = _save_peak(tmp_path, "gpt:4x512")
+    torch.save into memory 53 MB (CPU, 2026-11-26). Run in a fork of the test process (the slow test: a fresh
+    interpreter)."""
+    r = _save_peak(tmp_path, "gpt:4x512", fork=True)
     assert r["size"] > 0.15e9  # ~13M params x (4 + 8) bytes
     assert r["delta"] <= 0.10 * r["size"]
     assert r["old_delta"] >= 0.8 * r["old_size"]  # the sampling sees a save that holds the bytes in memory
@@ -329,11 +421,11 @@ class _CreatesFile:
         return open, (self.path, "w")
 
 
-def test_pickled_callable_in_the_manifest_runs_nothing(tmp_path):
+def test_pickled_callable_in_the_manifest_runs_nothing(tmp_path, capsys):
     d, marker = str(tmp_path / "ckpt"), tmp_path / "code-ran"
-    kw = dict(plan="adamw8bit", batch=4, seq=64, seed=7, device="cpu", progress=False, track=False)
-    reference = train("gpt:4x128", steps=6, **kw)["weights_sha256"]
-    train("gpt:4x128", steps=4, checkpoint_dir=d, checkpoint_every=2, **kw)
+    kw = dict(plan="adamw8bit", batch=4, seq=32, seed=7, device="cpu", progress=False, track=False)
+    reference = train("gpt:2x64", steps=6, **kw)["weights_sha256"]
+    train("gpt:2x64", steps=4, checkpoint_dir=d, checkpoint_every=2, **kw)
     payload = pickle.dumps(_CreatesFile(str(marker)))
     control = tmp_path / "control"  # negative control: un-pickled as before, this payload does create its file
     pickle.loads(pickle.dumps(_CreatesFile(str(control))))
@@ -346,11 +438,16 @@ def test_pickled_callable_in_the_manifest_runs_nothing(tmp_path):
     assert not marker.exists()
     assert path.endswith("ckpt-00000002.ckpt") and state["step"] == 2 and "could run code" in skipped[0][1]
 
-    resumed = _cli("--checkpoint-dir", d, "--checkpoint-every", "2", "--steps", "6", "--resume")
+    # the CLI's resume, in process (the CLI entry point, as `python -m colabkit train ...` runs it)
+    from colabkit.__main__ import main
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000004.ckpt: refused for safety"):
+        assert main(CLI[3:] + ["--checkpoint-dir", d, "--checkpoint-every", "2", "--steps", "6", "--resume",
+                    "--model", "gpt:2x64", "--seq", "32"]) == 0
     assert not marker.exists()
-    assert "skipped checkpoint ckpt-00000004.ckpt: refused for safety" in resumed.stderr
-    assert json.loads(resumed.stdout)["resumed_from"].endswith("ckpt-00000002.ckpt")  # --json -: stdout is JSON only
-    assert _sha(resumed) == reference
+    out = capsys.readouterr().out
+    assert json.loads(out)["resumed_from"].endswith("ckpt-00000002.ckpt")  # --json -: stdout is JSON only
+    assert json.loads(out)["weights_sha256"] == reference
 
 
 def test_a_value_that_is_not_data_is_refused_when_saving(tmp_path):

@@ -249,10 +249,10 @@ def _without(fn, statement):
     return ns[fn.__name__].__code__
 
 
-def _failing_checks(first=False):
-    """The checks that fail (``first``: stop at the first one)."""
+def _failing_checks(first=False, checks=None):
+    """The checks (all of CHECKS, in the order ``checks`` gives) that fail (``first``: stop at the first one)."""
     failed = []
-    for check in CHECKS:
+    for check in checks or CHECKS:
         try:
             ok = check()
         except Exception:  # a mutant may also crash a check: that is a failure too
@@ -271,16 +271,20 @@ def test_every_check_passes_on_the_real_code():
 def test_each_ordering_statement_deleted_alone_fails_a_check():
     t0 = time.process_time()
     survivors, caught = {}, {}
+    order = list(CHECKS)  # the check that caught the last mutant tried first: neighbours mutate the same code
     for module, qualname, statement in MUTANTS:
         fn = _function(module, qualname)
         original = fn.__code__
         fn.__code__ = _without(fn, statement)
         try:
-            failed = _failing_checks(first=True)
+            failed = _failing_checks(first=True, checks=order)
         finally:
             fn.__code__ = original
         caught[f"{qualname}: {statement}"] = failed
-        if not failed:
+        if failed:
+            order.remove(check := next(c for c in CHECKS if c.__name__ == failed[0]))
+            order.insert(0, check)
+        else:
             survivors[f"{qualname}: {statement}"] = "no check failed"
     for mutant, failed in caught.items():
         print(f"{mutant:<75} -> {failed[0] if failed else 'SURVIVED'}")

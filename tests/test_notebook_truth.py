@@ -288,19 +288,22 @@ def test_output_problems_negative_controls():
     assert hooks.output_problems([noisy], seen, 5)[0].startswith("cell 5 prints third-party noise")
 
 
+_HOOK_CELLS = ["from IPython.display import Image, display\n"
+               "png = lambda tag: Image(data=b'\\x89PNG\\r\\n\\x1a\\n' + tag, format='png')\n"
+               "display(png(b'a'))",
+               "display(png(b'b')); display(png(b'a'))",
+               "import sys; print('Failed to load libfoo.so', file=sys.stderr)"]
+
+
+@pytest.mark.slow  # fast twin: test_the_hook_fails_the_cells_that_draw_twice_in_process
 def test_the_hook_fails_a_notebook_that_draws_twice(tmp_path):
     """nbval with the notebooks' conftest on a three-cell notebook: the same chart shown twice and a
     'Failed to load' line fail their cells; a distinct chart passes (the hook is wired, not only written)."""
-    import nbformat
-
-    cells = ["from IPython.display import Image, display\n"
-             "png = lambda tag: Image(data=b'\\x89PNG\\r\\n\\x1a\\n' + tag, format='png')\n"
-             "display(png(b'a'))",
-             "display(png(b'b')); display(png(b'a'))",
-             "import sys; print('Failed to load libfoo.so', file=sys.stderr)"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, tmp_path / "99_check.ipynb")
+    nb = {"nbformat": 4, "nbformat_minor": 5,  # a v4 notebook as nbformat.v4.new_notebook writes it
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "cells": [{"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None, "outputs": [],
+                     "source": src} for i, src in enumerate(_HOOK_CELLS)]}
+    (tmp_path / "99_check.ipynb").write_text(json.dumps(nb))
     (tmp_path / "conftest.py").write_text(open(os.path.join(ROOT, "notebooks", "conftest.py")).read())
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
                           "--nbval-current-env", "-rf", "99_check.ipynb"], cwd=tmp_path, capture_output=True,
@@ -308,3 +311,29 @@ def test_the_hook_fails_a_notebook_that_draws_twice(tmp_path):
     out = run.stdout + run.stderr
     assert "1 passed" in out and "2 failed" in out, textwrap.shorten(out, 3000)
     assert "same image as cell 0" in out and "third-party noise" in out
+
+
+def test_the_hook_fails_the_cells_that_draw_twice_in_process():
+    """Fast twin of the nbval run above: the conftest's report hook, driven as pytest drives a hookwrapper,
+    on the outputs the three cells produce (as nbval leaves them on its cell items, ``test_outputs``):
+    the same chart again and the 'Failed to load' line fail their cells, a distinct chart passes."""
+    import base64
+    from types import SimpleNamespace
+
+    def png(tag):
+        return {"output_type": "display_data",
+                "data": {"image/png": base64.b64encode(b"\x89PNG\r\n\x1a\n" + tag).decode(), "text/plain": "<Image>"}}
+    outputs = [[png(b"a")], [png(b"b"), png(b"a")],
+               [{"output_type": "stream", "name": "stderr", "text": "Failed to load libfoo.so\n"}]]
+    notebook = SimpleNamespace()  # the cells' parent: the hook keeps the images seen so far on it
+    reports = []
+    for i, outs in enumerate(outputs):
+        report = SimpleNamespace(passed=True, outcome="passed", longrepr=None)
+        wrapper = hooks.pytest_runtest_makereport(SimpleNamespace(test_outputs=outs, parent=notebook, cell_num=i),
+                                                  SimpleNamespace(when="call"))
+        next(wrapper)
+        with pytest.raises(StopIteration):
+            wrapper.send(SimpleNamespace(get_result=lambda report=report: report))
+        reports.append(report)
+    assert [r.outcome for r in reports] == ["passed", "failed", "failed"]
+    assert "same image as cell 0" in reports[1].longrepr and "third-party noise" in reports[2].longrepr

@@ -62,16 +62,29 @@ def test_host_optimizer_state_dict_carries_masters():
     assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), stale.parameters()))
 
 
-@pytest.mark.parametrize("plan", RESUME_PLANS)
-def test_resume_equals_uninterrupted_run(plan, tmp_path):
-    full = train("gpt:4x128", plan=plan, offload_sim=True, **KW)
+def _resume_equals_uninterrupted_run(plan, tmp_path, model, **kw):
+    kw = {**KW, **kw}
+    full = train(model, plan=plan, offload_sim=True, **kw)
     assert full["simulated"] is True
     d = str(tmp_path)
-    half = train("gpt:4x128", plan=plan, offload_sim=True, checkpoint_dir=d, checkpoint_every=5, **{**KW, "steps": 5})
+    half = train(model, plan=plan, offload_sim=True, checkpoint_dir=d, checkpoint_every=5, **{**kw, "steps": 5})
     assert half["weights_sha256"] != full["weights_sha256"]  # control: 5 steps are not 10
-    resumed = train("gpt:4x128", plan=plan, offload_sim=True, checkpoint_dir=d, checkpoint_every=5, resume=True, **KW)
+    resumed = train(model, plan=plan, offload_sim=True, checkpoint_dir=d, checkpoint_every=5, resume=True, **kw)
     assert resumed["losses"] == full["losses"][5:]
     assert resumed["weights_sha256"] == full["weights_sha256"]
+
+
+@pytest.mark.slow  # fast twin: test_resume_equals_uninterrupted_run_small
+@pytest.mark.parametrize("plan", RESUME_PLANS)
+def test_resume_equals_uninterrupted_run(plan, tmp_path):
+    _resume_equals_uninterrupted_run(plan, tmp_path, "gpt:4x128")
+
+
+@pytest.mark.parametrize("plan", RESUME_PLANS)
+def test_resume_equals_uninterrupted_run_small(plan, tmp_path):
+    """Fast twin of the test above (the issue's gpt:4x128, batch 4 x seq 64): the same 10 steps, checkpoint
+    at 5 and control on gpt:2x64 at seq 32."""
+    _resume_equals_uninterrupted_run(plan, tmp_path, "gpt:2x64", seq=32)
 
 
 def _cli(*args):
@@ -82,6 +95,7 @@ def _cli(*args):
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
+@pytest.mark.slow  # fast twin: test_cli_train_resume_with_offload_sim_in_process
 def test_cli_train_resume_with_offload_sim(tmp_path):
     # the done-when command through the CLI in a subprocess (a smaller model to keep it fast; the
     # issue's gpt:4x128 sizes run in-process above): the first run stops at the checkpoint
@@ -97,6 +111,23 @@ def test_cli_train_resume_with_offload_sim(tmp_path):
     with one_thread():
         full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
     assert resumed["simulated"] is True and resumed["step"] == 4
+    assert resumed["weights_sha256"] == full["weights_sha256"]
+
+
+def test_cli_train_resume_with_offload_sim_in_process(tmp_path, capsys):
+    """Fast twin of the subprocess test above: the same commands through the CLI's entry point in process."""
+    base = ["train", "--model", "gpt:2x64", "--plan", "offload:optimizer", "--offload-sim", "--batch", "4",
+            "--seq", "32", "--seed", "7", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    from colabkit.__main__ import main
+
+    assert main(base + ["--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--steps", "4", "--resume", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    resumed = json.loads(out[out.index("{"):])
+    full = train("gpt:2x64", plan="offload:optimizer", offload_sim=True, **{**KW, "steps": 4, "seq": 32})
+    assert resumed["simulated"] is True and resumed["step"] == 4
+    assert resumed["resumed_from"].endswith("ckpt-00000002.ckpt")  # it did resume, not start again
     assert resumed["weights_sha256"] == full["weights_sha256"]
 
 
