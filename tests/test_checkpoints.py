@@ -20,6 +20,7 @@ import torch
 from colabkit.checkpoints import MAGIC, CheckpointError, list_checkpoints, read_checkpoint, read_latest, write_checkpoint
 from colabkit.plan import PlanError
 from colabkit.train import train
+from forking import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -231,7 +232,7 @@ def _save_peak(tmp_path, model: str, fork: bool = False) -> dict:
     script and count from the child's own start, without the interpreter's imports (~5 s CPU)."""
     pytest.importorskip("psutil")
     if fork:
-        out = _script_in_fork(RSS_SCRIPT, [str(tmp_path), model])
+        out = run_script(RSS_SCRIPT, [str(tmp_path), model])
     else:
         p = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), model], env=ENV, capture_output=True,
                            text=True, timeout=300)
@@ -240,41 +241,6 @@ def _save_peak(tmp_path, model: str, fork: bool = False) -> dict:
     r = json.loads(out.strip().splitlines()[-1])
     print(r)
     return r
-
-
-def _script_in_fork(script: str, argv: list[str], timeout: int = 300) -> str:
-    """Run `script` (as ``python -c script *argv`` would) in a forked child; its stdout. The child dies by
-    SIGALRM after `timeout` s rather than hang the run, and never returns into pytest."""
-    import io
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(timeout)
-            torch.set_num_threads(1)
-            import ctypes
-            import gc
-            gc.collect()  # the parent's freed heap handed back: the script cannot reuse resident free pages unseen
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            sys.argv = ["-c", *argv]
-            buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
-                exec(script, {"__name__": "__main__"})
-            os.write(w, buf.getvalue().encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and out, f"forked child failed (wait status {status})"
-    return out.decode()
 
 
 def test_save_peak_host_memory_is_small_gpt_4x512(tmp_path):

@@ -13,24 +13,6 @@ from colabkit.estimate import estimate
 from colabkit.techniques.chunked_ce import ChunkedCrossEntropy, chunked_cross_entropy, logits_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfreeze_gc_at_the_end():
-    import gc
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _gc_walks_only_this_tests_objects():
-    """Garbage collected, then the survivors (pytest's objects, imported modules...) moved to the GC's permanent
-    generation before each test: a full collection inside the test (accelerate's free_memory at the end of
-    Trainer.train()) walks only what this test made, not the whole process. Nothing that is garbage now is kept, the
-    test's own objects are not frozen; the fixture above hands the frozen objects back to the GC."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 def _run(model_fn, plan, batch, y=None, tracker=False):
     """One Trainer step (AdamW); (loss, gradients by name as the optimizer step saw them, the tracker's
     report or None)."""

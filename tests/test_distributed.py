@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -27,6 +26,7 @@ from colabkit.collectives import STRICT_ENV, collective, install_strict, rank_te
 from colabkit.distributed import RankData, _entry, global_mean, launch, load_sharded, save_sharded, train_ranks
 from colabkit.memory import MemoryTracker
 from colabkit.trainer import Trainer, load_model
+from forking import fork
 
 WORLD = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,28 +288,13 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if running(p)]
 
 
-def _fork(body) -> int:
-    """Run ``body()`` in a forked child (no new Python to start) that ends there, never back in this code."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            body()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
 def _forked_parent(out: str) -> None:
     """The parent: two ranks through launch's own rank entry (die_with_parent, the group through a file in the
     launch folder, strict collectives) running stubborn_rank, and two stubborn children with torch spawn's rule
     only (the kernel's SIGINT at the parent's death); their pids go to ``out/pids.json``."""
     me = os.getpid()
-    ranks = [_fork(lambda r=r: _entry(r, WORLD, "gloo", out, me, stubborn_rank, ())) for r in range(WORLD)]
-    controls = [_fork(lambda: (torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT), stubborn_rank()))
+    ranks = [fork(lambda r=r: _entry(r, WORLD, "gloo", out, me, stubborn_rank, ())) for r in range(WORLD)]
+    controls = [fork(lambda: (torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGINT), stubborn_rank()))
                 for _ in range(WORLD)]
     with open(os.path.join(out, "pids.tmp"), "w") as f:
         json.dump({"ranks": ranks, "controls": controls}, f)
@@ -322,7 +307,7 @@ def test_sigkill_of_a_forked_parent_ends_stubborn_ranks_of_the_launch_entry(tmp_
     """The fast twin of the SIGKILL tests above: the same ranks (launch's rank entry running stubborn_rank),
     forked from a forked parent instead of spawned by a new Python; SIGKILL the parent once both ranks are in
     their process group. Negative control: stubborn children with torch spawn's own rule only live on."""
-    parent = _fork(lambda: _forked_parent(str(tmp_path)))
+    parent = fork(lambda: _forked_parent(str(tmp_path)))
     family: list[psutil.Process] = []
     try:
         deadline, pids = time.time() + 90, tmp_path / "pids.json"

@@ -23,24 +23,6 @@ from colabkit.techniques import compress  # noqa: E402
 from own_models import S, V, _cells, _check_model_side, bert, gpt2, llama, lm_batch  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfreeze_gc_at_the_end():
-    import gc
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _gc_walks_only_this_tests_objects():
-    """Garbage collected, then the survivors (pytest's objects, the modules transformers imported...) moved
-    to the GC's permanent generation before each test: the full collection each Trainer.train() ends with
-    (accelerate's free_memory) walks only what this test made -- 0.01 s instead of 0.3-0.5 s. Nothing that
-    is garbage now is kept; the last fixture above hands the frozen objects back to the GC."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 @pytest.fixture(autouse=True)
 def _fresh_bitsandbytes_overrides(monkeypatch):
     """transformers' Trainer files its embeddings' 32-bit override on bitsandbytes' process-global manager,

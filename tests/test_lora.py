@@ -19,6 +19,7 @@ from colabkit.techniques.lora import (adapter_state_dict, apply_lora, load_adapt
                                       nf4_bytes, quantize_4bit, save_adapters, target_modules)
 from colabkit.train import train
 from colabkit.trainer import Trainer, load_model
+from forking import json_in_fork
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -229,35 +230,6 @@ def _peak_over_base(build):
     return peak[0] - base
 
 
-def _in_fork(fn, *args, timeout=600):
-    """fn(*args) (a JSON value) run in a forked child of this process: its memory is counted from a
-    clean start without paying a fresh interpreter's imports (~5 s CPU). The child dies by SIGALRM
-    after `timeout` s rather than hang the run."""
-    import os
-    import signal
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(r)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(timeout)
-            torch.set_num_threads(1)
-            os.write(w, json.dumps(fn(*args)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and out, f"forked child failed (wait status {status})"
-    return json.loads(out)
-
-
 def _meta_and_old_peaks(name):
     from colabkit.techniques.lora import build_frozen
     meta = _peak_over_base(lambda: build_frozen(name, dtype=torch.float32, quantize=True))
@@ -277,7 +249,7 @@ def test_meta_build_peak_rss_is_below_the_fp32_model():
 
     name = "gpt:8x512:v256"
     fp32 = 4 * count_params(build_meta(name))
-    meta, old = _in_fork(_meta_and_old_peaks, name)
+    meta, old = json_in_fork(_meta_and_old_peaks, name, timeout=600)
     assert meta < 0.75 * fp32, (meta / fp32, fp32)
     assert old > fp32, (old / fp32, fp32)  # negative control: what the meta build avoids
 

@@ -10,24 +10,6 @@ from colabkit.memory import CATEGORIES, MemoryTracker, format_report
 from colabkit.models import GPTConfig, GPT, count_params
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfreeze_gc_at_the_end():
-    import gc
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _gc_walks_only_this_tests_objects():
-    """Garbage collected, then the survivors (pytest's objects, imported modules...) moved to the GC's permanent
-    generation before each test: a full collection inside the test (the test's own gc.collect / gc.get_objects)
-    walks only what this test made, not the whole process. Nothing that is garbage now is kept, the test's own
-    objects are not frozen; the fixture above hands the frozen objects back to the GC."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 def _adam_steps(model, x, steps=2, tracker_kwargs=None):
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with MemoryTracker(model, opt, **(tracker_kwargs or {})) as mt:

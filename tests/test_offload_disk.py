@@ -13,6 +13,7 @@ import colabkit
 from colabkit.plan import PlanError
 from colabkit.techniques.disk_offload import DiskAdamW
 from colabkit.checkpoints import list_checkpoints, read_checkpoint, write_checkpoint
+from forking import run_script
 
 
 def _mlp():
@@ -133,6 +134,7 @@ def test_kept_mapped_state_is_the_files_pages_not_an_anonymous_copy(tmp_path, mo
     assert _mapping(opt.path)["Rss"] <= 2 * 4096
     opt.close()
     code = f"""
+import gc
 import torch
 from colabkit.techniques.disk_offload import DiskAdamW
 def rss_anon():
@@ -148,6 +150,7 @@ warm = [make([torch.nn.Parameter(torch.zeros(64))]) for make in makers]  # the f
 # imports what it needs (~66 MiB of anonymous memory, whatever the state's size): made small first
 for make in makers:
     ps = params()
+    gc.collect()   # the previous round's optimizer and tensors freed now, not by a collection inside the window
     before = rss_anon()
     opt = make(ps)
     for _ in range(3):
@@ -155,46 +158,10 @@ for make in makers:
     print(rss_anon() - before)
     del opt
 """
-    disk_grew, memory_grew = map(int, _script_in_fork(code).split())
+    disk_grew, memory_grew = map(int, run_script(code).split())
     print(f"anonymous growth: DiskAdamW {disk_grew >> 20} MiB, AdamW {memory_grew >> 20} MiB")
     assert disk_grew < 8 << 20, disk_grew
     assert memory_grew >= 140 << 20, memory_grew   # control: an in-memory AdamW's state is anonymous RAM
-
-
-def _script_in_fork(script: str, timeout: int = 300) -> str:
-    """Run `script` (as ``python -c script`` would) in a forked child, after a gc and malloc_trim(0) (no freed
-    heap page it could reuse unseen); its stdout. The child dies by SIGALRM after `timeout` s rather than hang
-    the run, and never returns into pytest."""
-    import contextlib
-    import ctypes
-    import io
-    import signal
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(timeout)
-            torch.set_num_threads(1)
-            gc.collect()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            buf = io.StringIO()
-            with contextlib.redirect_stdout(buf):
-                exec(script, {"__name__": "__main__"})
-            os.write(w, buf.getvalue().encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and out, f"forked child failed (wait status {status})"
-    return out.decode()
 
 
 def test_state_file_removed_with_its_optimizer(tmp_path, monkeypatch):

@@ -13,24 +13,6 @@ from colabkit.oom import OutOfMemoryWithAdvice, oom_guard
 from colabkit.train import train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfreeze_gc_at_the_end():
-    import gc
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _gc_walks_only_this_tests_objects():
-    """Garbage collected, then the survivors (pytest's objects, imported modules...) moved to the GC's permanent
-    generation before each test: a full collection inside the test (colabkit.oom's, after an out-of-memory) walks
-    only what this test made, not the whole process. Nothing that is garbage now is kept, the test's own objects are
-    not frozen; the fixture above hands the frozen objects back to the GC."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 class _OOMOnCall(torch.nn.Module):
     """A GPT that raises a CUDA-style OOM at the end of its n-th forward (``upto``: of each of its first n);
     activations are live when it raises."""

@@ -1,8 +1,6 @@
 """benchmarks/peers.py (issue 25) at tiny sizes: every row runs and lands in the JSON and the table; the
 state bytes it reports agree with the peers' own (bitsandbytes' AdamW8bit layout) and with theory."""
-import contextlib
 import importlib.util
-import io
 import json
 import math
 import os
@@ -15,6 +13,7 @@ import torch
 
 from colabkit.models import build_model
 from colabkit.techniques.optimizers import optimizer_state_bytes
+from forking import fork_call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,21 +53,8 @@ def _forked_cli(calls: list):
     def run(cmd, capture_output, text, env, cwd):
         calls.append((cmd, env, cwd))
         assert cmd[:3] == [sys.executable, "-m", "colabkit"] and capture_output and text
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code = 70
-            try:
-                os.close(r)
-                with os.fdopen(w, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(io.StringIO()):
-                    code = main(cmd[3:])
-            finally:
-                os._exit(code)
-        os.close(w)
-        with os.fdopen(r) as f:
-            out = f.read()
-        _, status = os.waitpid(pid, 0)
-        return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), out, "")
+        done = fork_call(main, cmd[3:])
+        return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, "")
     return run
 
 

@@ -26,25 +26,6 @@ from colabkit.estimate.trace import trace
 from colabkit.models import build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unfreeze_gc_at_the_end():
-    import gc
-    yield
-    gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _gc_walks_only_this_tests_objects():
-    """Garbage collected, then the survivors (pytest's objects, transformers' modules...) moved to the GC's
-    permanent generation before each test: the full collection each comparison starts with
-    (colabkit.compare.peaks_vs_allocator) walks only what this test made, 0.01 s instead of 0.5 s. What it
-    collects is unchanged: nothing that is garbage now is kept, and the objects this test makes are not
-    frozen; the fixture above hands the frozen objects back to the GC."""
-    import gc
-    gc.collect()
-    gc.freeze()
-
-
 def gpt2_hf():
     from transformers import GPT2Config, GPT2LMHeadModel
 
