@@ -245,7 +245,8 @@ def _connected(p: psutil.Process) -> bool:
 def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
     """Start ``cmd`` (which launches 2 ranks), SIGKILL it once both ranks are in the process group, and
     return the pids of ranks still running ``timeout`` seconds later."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # ROOT for colabkit and ``tests.test_distributed``; tests/ for the helpers that module imports (forking)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
     parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[psutil.Process] = []
     family: list[psutil.Process] = []  # everything the parent started (ranks, its resource tracker)
@@ -354,7 +355,8 @@ TRAIN = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "-
 
 @pytest.mark.slow  # fast twin: test_torchrun_path_equals_the_spawned_ranks
 def test_torchrun_equals_world_size_two():
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    # ROOT for colabkit and ``tests.test_distributed``; tests/ for the helpers that module imports (forking)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
     runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for cmd in (torchrun + TRAIN, [sys.executable, "-m", "colabkit", *TRAIN, "--world-size", "2"])]
