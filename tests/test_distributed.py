@@ -150,10 +150,13 @@ def _structured_ranks() -> dict:
 def launches(tmp_path_factory):
     """Two launches at the same time, as two test workers or two notebooks start them: this file's rank
     checks, and the structured factors' ranks."""
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(launch, _ranks, WORLD, str(tmp_path_factory.mktemp("fp16ckpt")), device="cpu"),
-                pool.submit(launch, _structured_ranks, WORLD, device="cpu")]
-        return [r.result(timeout=300) for r in runs]
+    # spawned ranks (fn imported anew) started from a thread, while the main thread forks the others (this
+    # process's imports: 2-3 s of CPU less per rank; forked from the pool's thread, _ranks' ranks exited with
+    # status 1 -- not pinned down, so forks here come from the main thread)
+    with ThreadPoolExecutor(1) as pool:
+        spawned = pool.submit(launch, _structured_ranks, WORLD, device="cpu")
+        forked = launch(_ranks, WORLD, str(tmp_path_factory.mktemp("fp16ckpt")), device="cpu", start_method="fork")
+        return [forked, spawned.result(timeout=300)]
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +195,23 @@ def test_fp16_resume_restores_scaler_and_is_exact(ranks):
     assert rest["losses"] == full["losses"][2:]
     assert torch.equal(rest["weights"], full["weights"])
     assert not torch.equal(first["weights"], full["weights"])  # negative control
+
+
+def test_launch_spawns_unless_told_and_never_forks_after_cuda(monkeypatch):
+    """Spawn is the default (a forked rank cannot use CUDA once the parent has); fork is refused, before any
+    process starts, in a process whose CUDA is initialised."""
+    import colabkit.distributed as d
+    assert d.START_METHOD == "spawn"
+    started = []
+    monkeypatch.setattr(d.mp, "start_processes", lambda *a, **k: started.append(k["start_method"]))
+    monkeypatch.setattr(d.torch, "load", lambda *a, **k: None)
+    assert launch(summed_rank, 2, 1.0, device="cpu") == [None, None] and started == ["spawn"]
+    monkeypatch.setattr(d.torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="start_method='spawn'"):
+        launch(summed_rank, 2, 1.0, device="cpu", start_method="fork")
+    assert started == ["spawn"]  # nothing started
+    launch(summed_rank, 2, 1.0, device="cpu")  # control: spawn still allowed
+    assert started == ["spawn", "spawn"]
 
 
 # ----- launches at once --------------------------------------------------------------------------

@@ -38,6 +38,7 @@ def spawned(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("colabkit.distributed.launch", launch_with_resume)
+        mp.setattr("colabkit.distributed.START_METHOD", "fork")  # no imports per rank; spawn: test_distributed
         sharded = bench_sharded(MODEL, ["zero:1", "zero:2", "zero:3", COMPOSED, *FP16], world_size=WORLD, batch=BATCH,
                                 seq=SEQ, steps=STEPS, device="cpu")
     return {r["plan"]: r for r in sharded}, resumed[0], directory
