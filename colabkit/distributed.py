@@ -124,7 +124,8 @@ def _entry(rank: int, world_size: int, backend: str, out_dir: str, parent: int, 
 # How launch starts its ranks. "spawn" (a fresh interpreter per rank) is the safe default: a forked child
 # cannot use CUDA once the parent has, and it inherits whatever state the parent is in. "fork" skips each
 # rank's imports (2-3 s of CPU): for a CPU-only process that already imported what the ranks run (the test
-# suite's gloo launches).
+# suite's gloo launches), called from its main thread (ranks forked from a pool thread were seen to exit with
+# status 1, cause not found).
 START_METHOD = "spawn"
 
 
