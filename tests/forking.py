@@ -15,14 +15,15 @@ import torch
 
 
 def fork(body) -> int:
-    """Start ``body()`` in a forked child that ends there (exit 0 when it returns, 1 when it raises: the
-    traceback on stderr); the child's pid, for the caller to wait on or signal."""
+    """Start ``body()`` in a forked child that ends there: its exit status is body's int result (0 for any
+    other), 1 when it raises (the traceback on stderr). Returns the child's pid, for the caller to wait on or
+    signal."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            body()
-            code = 0
+            result = body()
+            code = result if isinstance(result, int) else 0
         except BaseException:
             traceback.print_exc()
         finally:
@@ -32,26 +33,21 @@ def fork(body) -> int:
 
 def fork_call(fn, *args, timeout: int = 300) -> subprocess.CompletedProcess:
     """``fn(*args)`` in a forked child, what it prints coming back through a pipe: a CompletedProcess whose
-    returncode is fn's int result (0 for None, 1 if it raised, -SIGALRM after `timeout` s). Before fn the child
+    returncode is fn's int result (0 for any other, 1 if it raised, -SIGALRM after `timeout` s). Before fn the child
     takes one thread and hands the freed heap back (gc, malloc_trim), so fn cannot reuse resident free pages
     unseen by a memory count."""
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(timeout)
-            torch.set_num_threads(1)
-            gc.collect()
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with os.fdopen(w, "w") as f, contextlib.redirect_stdout(f):
-                code = fn(*args) or 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+
+    def child():
+        os.close(r)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(timeout)
+        torch.set_num_threads(1)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with os.fdopen(w, "w") as f, contextlib.redirect_stdout(f):
+            return fn(*args)
+    pid = fork(child)
     os.close(w)
     with os.fdopen(r) as f:
         out = f.read()

@@ -30,6 +30,9 @@ from forking import fork
 
 WORLD = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the real processes' environment: ROOT for colabkit and ``tests.test_distributed``, tests/ for the helpers that
+# module imports (forking)
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
 
 
 # ----- 1. NCCL's rule under gloo --------------------------------------------------------------
@@ -265,9 +268,7 @@ def _connected(p: psutil.Process) -> bool:
 def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
     """Start ``cmd`` (which launches 2 ranks), SIGKILL it once both ranks are in the process group, and
     return the pids of ranks still running ``timeout`` seconds later."""
-    # ROOT for colabkit and ``tests.test_distributed``; tests/ for the helpers that module imports (forking)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
-    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[psutil.Process] = []
     family: list[psutil.Process] = []  # everything the parent started (ranks, its resource tracker)
     try:
@@ -282,8 +283,7 @@ def _kill_parent_and_watch(cmd: list[str], timeout: float) -> list[int]:
         assert len(ranks) == WORLD and all(_connected(r) for r in ranks), "the ranks did not start"
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        _, alive = psutil.wait_procs(ranks, timeout=timeout)
-        return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        return [p.pid for p in _running_after(ranks, timeout)]
     finally:  # never leave anything of this test behind
         if parent.poll() is None:
             parent.kill()
@@ -307,6 +307,14 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             return False
     return [p for p in procs if running(p)]
+
+
+def _running_after(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those still running ``timeout`` seconds from now, or sooner once none is."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and _running(procs):
+        time.sleep(0.05)
+    return _running(procs)
 
 
 def _forked_parent(out: str) -> None:
@@ -342,10 +350,7 @@ def test_sigkill_of_a_forked_parent_ends_stubborn_ranks_of_the_launch_entry(tmp_
         assert all(_connected(r) for r in ranks), "the ranks did not start"
         os.kill(parent, signal.SIGKILL)
         os.waitpid(parent, 0)
-        deadline = time.time() + 5
-        while time.time() < deadline and _running(ranks):
-            time.sleep(0.05)
-        assert _running(ranks) == []
+        assert _running_after(ranks, 5) == []
         time.sleep(0.3)  # the parent is gone: the controls' SIGINT came, and was ignored
         assert _running(controls) == controls
     finally:  # never leave anything of this test behind
@@ -375,10 +380,8 @@ TRAIN = ["train", "--model", "gpt:4x128", "--plan", "zero:3", "--steps", "4", "-
 
 @pytest.mark.slow  # fast twin: test_torchrun_path_equals_the_spawned_ranks
 def test_torchrun_equals_world_size_two():
-    # ROOT for colabkit and ``tests.test_distributed``; tests/ for the helpers that module imports (forking)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "colabkit"]
-    runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for cmd in (torchrun + TRAIN, [sys.executable, "-m", "colabkit", *TRAIN, "--world-size", "2"])]
     (by_torchrun, err), (spawned, _) = (p.communicate(timeout=300) for p in runs)
     assert [p.returncode for p in runs] == [0, 0], err[-2000:]

@@ -1,6 +1,5 @@
 """benchmarks/peers.py (issue 25) at tiny sizes: every row runs and lands in the JSON and the table; the
 state bytes it reports agree with the peers' own (bitsandbytes' AdamW8bit layout) and with theory."""
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import torch
 from colabkit.models import build_model
 from colabkit.techniques.optimizers import optimizer_state_bytes
 from forking import fork_call
+from tests.test_core import _benchmark_script  # benchmarks/peers.py as a module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,13 +58,6 @@ def _forked_cli(calls: list):
     return run
 
 
-def _peers_module():
-    spec = importlib.util.spec_from_file_location("benchmarks_peers", os.path.join(ROOT, "benchmarks", "peers.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the CLI row's child is forked")
 def test_peers_quick_rows_in_process(tmp_path, monkeypatch, capsys):
     """Fast twin of test_peers_quick_runs_every_row: ``peers.py --quick`` through its ``main(argv)`` in this process,
@@ -72,7 +65,7 @@ def test_peers_quick_rows_in_process(tmp_path, monkeypatch, capsys):
     child forked from this process (see _forked_cli) instead of a fresh interpreter, its launch (interpreter,
     one thread, this checkout first on the path) checked. Negative control: a CLI row whose command fails is
     refused by the same assertions."""
-    peers = _peers_module()
+    peers = _benchmark_script("peers")
     calls = []
     monkeypatch.setattr(peers, "subprocess", types.SimpleNamespace(run=_forked_cli(calls)))  # peers' name only
     threads = torch.get_num_threads()
