@@ -41,8 +41,10 @@ from .techniques.accumulation import micro_batch_sizes, window_loss
 from .techniques.compress import int8_saved_tensors
 from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param
 from .techniques.fused_step import FusedStepOptimizer
-from .techniques.offload import (CudaTwin, DevicePair, HostOptimizer, guard_plan, host_footprint, host_ram_guard, offloaded,
-                                 pinned_bytes, stream_blocks)
+from .device import CudaTwin, DevicePair, host_ram_guard, pinned_bytes
+from .techniques.offload_guard import guard_plan, host_footprint
+from .techniques.offload_optimizer import HostOptimizer, offloaded
+from .techniques.offload_params import stream_blocks
 from .techniques.lora import apply_lora, load_adapters, lora_memory, merge_lora, nf4_bytes, save_adapters
 from .instruct import InstructData, generate
 from .hf import MemoryCallback, load_hf_4bit, prepare_model, training_arguments
@@ -52,7 +54,7 @@ from .distributed import bench_sharded, consolidate, launch, train_sharded
 from .plots import charts, integer_axis, line_chart, phase_slots, plot_estimates, plot_per_rank, plot_timelines, series_style  # noqa: E402
 from .widgets import choices_widget, compatible_for, fit_view, token_picker, will_it_fit  # noqa: E402
 from .techniques.galore import galore_state_bytes, projected as galore_projected  # noqa: E402
-from .techniques.offload import STRATEGIES as OFFLOAD_STRATEGIES  # noqa: E402
+from .techniques.offload_optimizer import STRATEGIES as OFFLOAD_STRATEGIES  # noqa: E402
 from .techniques.disk_offload import CHUNK_ELEMS as DISK_CHUNK_ELEMS, disk_bandwidth  # noqa: E402
 from .compare import tracker_vs_allocator  # noqa: E402
 from .estimate.planner import COST as PLAN_COSTS, pareto  # noqa: E402

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .env import GiB, MiB, budget_bytes as _default_budget, host_ram
+from .device import _HOST, _HOST_SCOPE, _PLAIN, _storages, fmt_bytes, host_side, is_host, mark_host  # noqa: F401  (host tagging: the seam's)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
@@ -52,35 +53,6 @@ ADVICE = {
     "activations": "checkpoint, accum:K, compress:int8, a smaller batch or sequence",
     "other": "attention:efficient, fp16, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
 }
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Human-readable bytes. >>> fmt_bytes(3 * 1024**2)
-    '3.0 MiB'"""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # no wrapper subclass: one storage, found without a stack
-
-
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The real storages behind a tensor, looking inside wrapper subclasses (e.g. torchao 4-bit state)."""
-    if type(t) in _PLAIN:
-        yield t.untyped_storage()
-        return
-    stack = [t]
-    while stack:
-        obj = stack.pop()
-        if is_traceable_wrapper_subclass(obj):
-            attrs, _ = obj.__tensor_flatten__()
-            stack.extend(v for v in (getattr(obj, a) for a in attrs) if isinstance(v, torch.Tensor))
-        else:
-            yield obj.untyped_storage()
 
 
 def tensors_in(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
@@ -108,46 +80,6 @@ def param_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
         if qs is not None:
             yield from tensors_in(qs)
     yield from model.buffers()
-
-
-# ----- the host side (offload) -------------------------------------------------------------------
-# Offload keeps tensors in host RAM: pinned on CUDA, and on a CPU run with simulated offload a
-# second, distinct side of the same RAM. Storages allocated inside ``host_side()`` (or tagged with
-# ``mark_host``) are counted on the host side: ``host_bytes`` / ``host_breakdown`` in the report,
-# not the device's peak — on a GPU and in the CPU simulation alike.
-_HOST: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
-_HOST_SCOPE = threading.local()
-
-
-@contextlib.contextmanager
-def host_side() -> Iterator[None]:
-    """Storages created in this block (this thread) live on the host side.
-
-    >>> with MemoryTracker(device="cpu") as mt:
-    ...     with host_side():
-    ...         h = torch.zeros(256)
-    ...     d = torch.zeros(128)
-    >>> r = mt.report(); r["host_bytes"], r["peak_bytes"]
-    (1024, 512)
-    """
-    prev = getattr(_HOST_SCOPE, "on", False)
-    _HOST_SCOPE.on = True
-    try:
-        yield
-    finally:
-        _HOST_SCOPE.on = prev
-
-
-def mark_host(t: torch.Tensor) -> torch.Tensor:
-    """Tag a tensor's storage as host side (for trackers started later too); returns ``t``."""
-    for st in _storages(t):
-        _HOST.add(st)
-    return t
-
-
-def is_host(t: torch.Tensor) -> bool:
-    """True if the tensor's storage was allocated on, or tagged as, the host side."""
-    return any(st in _HOST for st in _storages(t))
 
 
 def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:

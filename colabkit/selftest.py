@@ -6,7 +6,7 @@ model built and stepped with bitsandbytes' 4-bit kernels, fp16 with the GradScal
 included), ``paged-adamw8bit`` against ``adamw8bit`` (same update: paging only moves state under pressure),
 each technique's measured peak next to :func:`colabkit.estimate`'s prediction, and :func:`colabkit.calibrate`.
 On a CPU the same functions run with the device the only difference: offload simulated (``offload_sim``, the
-:class:`~colabkit.techniques.offload.CudaTwin` under the :class:`~colabkit.techniques.offload.DevicePair`, a
+:class:`~colabkit.device.CudaTwin` under the :class:`~colabkit.device.DevicePair`, a
 copy read before it was waited for holds NaN), fp16 through the CPU's autocast, qlora through bitsandbytes'
 CPU kernels; what only CUDA has (paged optimizers, calibration) is *skipped: needs CUDA*, never a pass. The
 report says ``"simulated": true`` then.
@@ -79,7 +79,7 @@ def _offload_check(plan: str) -> Callable[[torch.device, dict], dict]:
     def check(dev: torch.device, size: dict) -> dict:
         ref_losses, ref = _trained("baseline", dev, size)
         losses, t = _trained(plan, dev, size)
-        from .techniques.offload import pair_of
+        from .device import pair_of
 
         stats = pair_of(t.model, t.ctx.device).stats()  # CUDA: pinned host allocator; the twin: also copies, waits, poison
         diff = _max_diff(ref, t)

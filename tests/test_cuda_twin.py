@@ -25,7 +25,8 @@ from colabkit.data import TextData
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model
 from colabkit.techniques import disk_offload as disk
-from colabkit.techniques import offload as off
+from colabkit import device as dev
+from colabkit.techniques import offload_activations, offload_optimizer, offload_params
 from colabkit.trainer import Trainer
 
 
@@ -36,7 +37,7 @@ def _side_copy(pair, dst, src):
 
 
 def test_side_copy_lands_only_when_waited_for():
-    pair = off.DevicePair("cpu")
+    pair = dev.DevicePair("cpu")
     src, dst = torch.arange(4.0), torch.zeros(4)
     _side_copy(pair, dst, src)
     ev = pair.done()
@@ -61,7 +62,7 @@ def test_side_copy_lands_only_when_waited_for():
 
 
 def test_freed_source_needs_record_stream():
-    pair = off.DevicePair("cpu")
+    pair = dev.DevicePair("cpu")
     dst = torch.zeros(4)
     src = torch.ones(4)
     _side_copy(pair, dst, src)
@@ -80,7 +81,7 @@ def test_freed_source_needs_record_stream():
 
 
 def test_reused_source_and_missing_wait_stream_are_poison():
-    pair = off.DevicePair("cpu")
+    pair = dev.DevicePair("cpu")
     src, dst = torch.ones(4), torch.zeros(4)
     _side_copy(pair, dst, src)
     src.fill_(5.0)                                 # reused before the copy ran: the copy sees the new bytes
@@ -93,7 +94,7 @@ def test_reused_source_and_missing_wait_stream_are_poison():
 
 
 def test_pinned_blocks_are_rounded_and_counted():
-    pair = off.DevicePair("cpu")
+    pair = dev.DevicePair("cpu")
     h = pair.host_empty((250,), torch.float32)     # 1000 B asked, a 1024 B block taken
     s = pair.stats()
     assert (s["pinned_bytes"], s["payload_bytes"]) == (1024, 1000)
@@ -141,7 +142,7 @@ def check_host_optimizer_grad_scaler():
     a = build_model("gpt:2x32", seq=16)
     b = copy.deepcopy(a)
     opts = (torch.optim.AdamW(a.parameters(), lr=1e-3),
-            off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3)))
+            offload_optimizer.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3)))
     for m, opt in zip((a, b), opts):
         sc = torch.amp.GradScaler("cpu", init_scale=1024.0)
         for i in range(2):
@@ -189,7 +190,7 @@ def check_disk_staged(tmp="."):
 
     with tempfile.TemporaryDirectory() as d:
         ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))  # DiskAdamW runs the fused kernel
-        got = run(lambda ps: disk.DiskAdamW(ps, lr=1e-2, directory=d, chunk_elems=500, pair=off.DevicePair("cpu")))
+        got = run(lambda ps: disk.DiskAdamW(ps, lr=1e-2, directory=d, chunk_elems=500, pair=dev.DevicePair("cpu")))
     return all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
@@ -201,25 +202,25 @@ CHECKS = [check_host_optimizer, check_host_optimizer_accumulation, check_host_op
 # CUDA calls themselves (DevicePair runs them against torch.cuda or the twin); the rest are the
 # places offload relies on them.
 MUTANTS = [
-    (off, "DevicePair.side", "self.stream.wait_stream(self.rt.current_stream())"),   # side waits for compute
-    (off, "DevicePair.done", "ev.record(self.stream)"),                               # the event record
-    (off, "DevicePair.use", "self.rt.current_stream().wait_event(event)"),            # compute waits for the event
-    (off, "DevicePair.lend", "self.rt.record_stream(t, self.stream)"),               # record_stream
-    (off, "DevicePair.sync", "self.stream.synchronize()"),                            # stream synchronize
-    (off, "DevicePair.wait_host", "event.synchronize()"),                             # host waits for an event
-    (off, "DevicePair.to_host_async", "self.lend(t)"),                   # streamed gradients: record_stream
-    (off, "HostOptimizer._grad_to_host", "self.pair.lend(p.grad)"),      # gradient copy: record_stream
-    (off, "HostOptimizer._land_adds", "self.pair.sync()"),               # accumulation: wait before the add
-    (off, "HostOptimizer.step", "self.pair.sync()"),                     # the step waits for the copies
-    (off, "HostOptimizer.step", "self._land_adds()"),                    # ... and adds the accumulated ones
-    (off, "HostOptimizer.param_groups", "self.pair.sync()"),             # the GradScaler reads landed grads
-    (off, "HostOptimizer.param_groups", "self._land_adds()"),            # ... with the accumulated ones added
-    (off, "BlockStreamer.get", "self.pair.use(ev)"),                     # prefetched weights: wait
-    (off, "BlockStreamer._land_adds", "self.pair.sync()"),               # a 2nd gradient: wait before the add
-    (off, "BlockStreamer._end_of_backward", "self._land_adds()"),        # ... added when backward ends
-    (off, "BlockStreamer._end_of_backward", "self.pair.sync()"),         # streamed grads done with backward
-    (off, "activation_offload", "pair.lend(t)"),                         # saved activation: record_stream
-    (off, "activation_offload", "pair.use(saved.event)"),                # copy back waits for the copy out
+    (dev, "DevicePair.side", "self.stream.wait_stream(self.rt.current_stream())"),   # side waits for compute
+    (dev, "DevicePair.done", "ev.record(self.stream)"),                               # the event record
+    (dev, "DevicePair.use", "self.rt.current_stream().wait_event(event)"),            # compute waits for the event
+    (dev, "DevicePair.lend", "self.rt.record_stream(t, self.stream)"),               # record_stream
+    (dev, "DevicePair.sync", "self.stream.synchronize()"),                            # stream synchronize
+    (dev, "DevicePair.wait_host", "event.synchronize()"),                             # host waits for an event
+    (dev, "DevicePair.to_host_async", "self.lend(t)"),                   # streamed gradients: record_stream
+    (offload_optimizer, "HostOptimizer._grad_to_host", "self.pair.lend(p.grad)"),      # gradient copy: record_stream
+    (offload_optimizer, "HostOptimizer._land_adds", "self.pair.sync()"),               # accumulation: wait before the add
+    (offload_optimizer, "HostOptimizer.step", "self.pair.sync()"),                     # the step waits for the copies
+    (offload_optimizer, "HostOptimizer.step", "self._land_adds()"),                    # ... and adds the accumulated ones
+    (offload_optimizer, "HostOptimizer.param_groups", "self.pair.sync()"),             # the GradScaler reads landed grads
+    (offload_optimizer, "HostOptimizer.param_groups", "self._land_adds()"),            # ... with the accumulated ones added
+    (offload_params, "BlockStreamer.get", "self.pair.use(ev)"),                     # prefetched weights: wait
+    (offload_params, "BlockStreamer._land_adds", "self.pair.sync()"),               # a 2nd gradient: wait before the add
+    (offload_params, "BlockStreamer._end_of_backward", "self._land_adds()"),        # ... added when backward ends
+    (offload_params, "BlockStreamer._end_of_backward", "self.pair.sync()"),         # streamed grads done with backward
+    (offload_activations, "activation_offload", "pair.lend(t)"),                         # saved activation: record_stream
+    (offload_activations, "activation_offload", "pair.use(saved.event)"),                # copy back waits for the copy out
     (disk, "DiskAdamW.step", "self.pair.lend(mv)"),                      # chunk on the GPU: record_stream
     (disk, "DiskAdamW._write_back", "self.pair.wait_host(event)"),       # write back after the copy landed
 ]
@@ -295,11 +296,59 @@ def test_each_ordering_statement_deleted_alone_fails_a_check():
 
 def test_mutants_name_every_cuda_call_in_devicepair():
     # the list above names each statement of DevicePair that calls the runtime's ordering API
-    src = inspect.getsource(off.DevicePair)
+    src = inspect.getsource(dev.DevicePair)
     calls = [line.strip() for line in src.splitlines() if any(k in line for k in (
         ".wait_stream(", ".wait_event(", ".record(", ".record_stream(", ".synchronize()"))]
     listed = {s for m, q, s in MUTANTS if q.startswith("DevicePair.")}
     assert calls and set(calls) <= listed, set(calls) - listed
+
+
+# ----- the seam: every CUDA stream/event/pinned/async-copy call lives in colabkit/device.py -----------
+SEAM_CALLS = ("torch.cuda.Stream", "torch.cuda.Event", "record_stream", "pin_memory=True", "non_blocking=True")
+
+
+def _seam_calls(source: str) -> list[str]:
+    """The seam calls in Python source, comments and strings left out (code tokens only)."""
+    import io
+    import tokenize
+    code = " ".join(tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if tok.type not in (tokenize.COMMENT, tokenize.STRING))
+    code = code.replace(" . ", ".").replace(" = ", "=").replace(" .", ".").replace(". ", ".")
+    return [c for c in SEAM_CALLS if c in code]
+
+
+def test_cuda_seam_calls_only_in_device_py():
+    import pathlib
+    root = pathlib.Path(dev.__file__).parent
+    found = {str(p.relative_to(root)): calls for p in sorted(root.rglob("*.py"))
+             if (calls := _seam_calls(p.read_text()))}
+    assert set(found) == {"device.py"}, found          # the seam itself has them all
+    assert set(found["device.py"]) == set(SEAM_CALLS)
+    # negative control: the scan sees each call written in code, and none in comments or strings
+    samples = {"torch.cuda.Stream": "s = torch.cuda.Stream(d)", "torch.cuda.Event": "e = torch . cuda.Event()",
+               "record_stream": "t.record_stream(s)", "pin_memory=True": "torch.empty(3, pin_memory = True)",
+               "non_blocking=True": "t.copy_(s, non_blocking=True)"}
+    for call, line in samples.items():
+        assert _seam_calls(line + "\n") == [call]
+        assert _seam_calls(f"# {line}\nx = {line!r}\n") == []
+
+
+def test_old_import_paths_still_work():
+    from colabkit.techniques import offload as off   # re-exported for one release
+    import colabkit
+    for name in ("DevicePair", "CudaTwin", "CudaRuntime", "PinnedCache", "pair_of", "pinned_bytes", "host_ram_guard",
+                 "HOST_RESERVE"):
+        assert getattr(off, name) is getattr(dev, name), name
+    for name, mod in (("HostOptimizer", offload_optimizer), ("HostStateOptimizer", offload_optimizer),
+                      ("offloaded", offload_optimizer), ("STRATEGIES", offload_optimizer),
+                      ("activation_offload", offload_activations), ("BlockStreamer", offload_params),
+                      ("stream_blocks", offload_params)):
+        assert getattr(off, name) is getattr(mod, name), name
+    from colabkit.techniques.offload import guard_plan, host_footprint  # noqa: F401
+    from colabkit.memory import fmt_bytes, host_side, is_host, mark_host
+    assert (fmt_bytes, host_side, is_host, mark_host) == (dev.fmt_bytes, dev.host_side, dev.is_host, dev.mark_host)
+    assert colabkit.DevicePair is dev.DevicePair and colabkit.HostOptimizer is offload_optimizer.HostOptimizer
+    assert colabkit.OFFLOAD_STRATEGIES == offload_optimizer.STRATEGIES
 
 
 # ----- the tracker's per-phase CUDA peak --------------------------------------------------------

@@ -10,7 +10,8 @@ from colabkit.data import TextData
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model
 from colabkit.plan import REGISTRY, Context, Plan, PlanError
-from colabkit.techniques import offload as off
+from colabkit import device as dev
+from colabkit.techniques import offload_activations, offload_optimizer, offload_params
 from colabkit.train import measure
 from tests.conftest import requires_cuda
 
@@ -48,15 +49,15 @@ def test_conflicts_are_refused(plan, kw, match):
 
 
 def test_host_ram_guard(monkeypatch):
-    assert off.host_ram_guard(1 << 30, "x", available=4 << 30) == 3 << 30
+    assert dev.host_ram_guard(1 << 30, "x", available=4 << 30) == 3 << 30
     with pytest.raises(PlanError, match="needs 4.0 GiB of host RAM but only 3.0 GiB"):
-        off.host_ram_guard(4 << 30, "x", available=3 << 30)
+        dev.host_ram_guard(4 << 30, "x", available=3 << 30)
     with pytest.raises(PlanError, match="1.0 GiB kept in reserve"):  # fits, but leaves no room
-        off.host_ram_guard(int(2.5 * 2**30), "x", available=3 << 30)
+        dev.host_ram_guard(int(2.5 * 2**30), "x", available=3 << 30)
     # the guard runs before anything moves: streaming a model bigger than free RAM is refused
-    monkeypatch.setattr(off, "host_ram", lambda: {"available": 2 << 20})
+    monkeypatch.setattr(dev, "host_ram", lambda: {"available": 2 << 20})
     with pytest.raises(PlanError, match="block parameters"):
-        off.stream_blocks(build_model("gpt:2x64"), "cpu")
+        offload_params.stream_blocks(build_model("gpt:2x64"), "cpu")
 
 
 def test_host_optimizer_matches_plain_adamw_with_accumulation_and_scheduler():
@@ -64,7 +65,7 @@ def test_host_optimizer_matches_plain_adamw_with_accumulation_and_scheduler():
     a = build_model("gpt:2x32", seq=32)
     b = copy.deepcopy(a)
     plain = torch.optim.AdamW(a.parameters(), lr=1e-3)
-    host = off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
+    host = offload_optimizer.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
     sa = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1 / (s + 1))
     sb = torch.optim.lr_scheduler.LambdaLR(host.optimizer, lambda s: 1 / (s + 1))
     for step in range(3):
@@ -88,7 +89,7 @@ def test_host_optimizer_under_grad_scaler_matches_plain_and_skips_inf():
     a = build_model("gpt:2x32", seq=32)
     b = copy.deepcopy(a)
     plain = torch.optim.AdamW(a.parameters(), lr=1e-3)
-    host = off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
+    host = offload_optimizer.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
     sc_a, sc_b = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
     def poison(g):  # an inf in one gradient element, as it arrives
         g = g.clone()
@@ -116,7 +117,7 @@ def test_host_optimizer_under_grad_scaler_matches_plain_and_skips_inf():
 def test_stream_blocks_equals_plain_forward_backward():
     torch.manual_seed(0)
     a = build_model("gpt:3x32", seq=32)
-    b = off.stream_blocks(copy.deepcopy(a), "cpu", prefetch=True)
+    b = offload_params.stream_blocks(copy.deepcopy(a), "cpu", prefetch=True)
     streamer = b.blocks[0].streamer
     x, y = _batch()
     la, lb = _loss(a, x, y), _loss(b, x, y)
@@ -137,7 +138,7 @@ def test_activation_offload_is_exact():
     _loss(m, x, y).backward()
     ref = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    with off.activation_offload():
+    with offload_activations.activation_offload():
         _loss(m, x, y).backward()
     for r, p in zip(ref, m.parameters()):
         assert torch.equal(r, p.grad)
@@ -159,7 +160,7 @@ def test_phase_offload_round_trip_is_exact(strategy):
     m, opt = _trained()
     ref_m, ref_opt = _trained()
     state0 = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
-    with off.offloaded(opt, m, strategy) as info:
+    with offload_optimizer.offloaded(opt, m, strategy) as info:
         assert info["moved_bytes"] == sum(8 * p.numel() for p in m.parameters())
         assert all(s["exp_avg"] is None for s in opt.state.values())  # gone from the device
         m.eval()
@@ -183,7 +184,7 @@ def test_phase_offload_int8_and_drop_free_memory_measured():
         state0 = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
         with MemoryTracker(m, opt, device="cpu") as mt:
             live0 = sum(mt.current().values())
-            with off.offloaded(opt, m, strategy) as info:
+            with offload_optimizer.offloaded(opt, m, strategy) as info:
                 freed = live0 - sum(mt.current().values())
             assert info["moved_bytes"] >= moment_bytes
             assert freed >= min_freed * moment_bytes, (strategy, freed, moment_bytes)
@@ -196,8 +197,8 @@ def test_phase_offload_int8_and_drop_free_memory_measured():
 
 def test_int8_round_trip_error_bound():
     t = torch.randn(5000)
-    q = off._q8(t)
-    err = (off._dq8(q) - t).abs()
+    q = offload_optimizer._q8(t)
+    err = (offload_optimizer._dq8(q) - t).abs()
     absmax = q[1].repeat_interleave(256)[:5000]
     assert (err <= absmax / 254 + 1e-7).all()
 
@@ -218,7 +219,7 @@ def test_stream_blocks_recompute_keeps_autocast():
     # backward recomputes each block: under autocast it must recompute in the same precision
     torch.manual_seed(0)
     a = build_model("gpt:2x32", seq=32)
-    b = off.stream_blocks(copy.deepcopy(a), "cpu")
+    b = offload_params.stream_blocks(copy.deepcopy(a), "cpu")
     x, y = _batch()
     for m in (a, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from colabkit.data import TextData
-from colabkit.models import build_model, logits_of
+from colabkit.models import blocks_of, build_model, logits_of
 from colabkit.plan import REGISTRY, Context, Plan, PlanError
-from colabkit.techniques import offload as off
+from colabkit import device as dev
+from colabkit.techniques import offload_guard, offload_optimizer, offload_params
 from colabkit.train import measure, train
 from colabkit.trainer import Trainer
 
@@ -43,11 +44,11 @@ def test_host_optimizer_state_dict_carries_masters():
     torch.manual_seed(0)
     a = build_model("gpt:2x32", seq=32)
     fresh = copy.deepcopy(a)
-    opt_a = off.HostOptimizer([{"params": list(a.parameters())}], make)
+    opt_a = offload_optimizer.HostOptimizer([{"params": list(a.parameters())}], make)
     _host_run(a, opt_a, range(3))
     ckpt = copy.deepcopy({"model": a.state_dict(), "opt": opt_a.state_dict()})
     _host_run(a, opt_a, range(3, 5))
-    opt_b = off.HostOptimizer([{"params": list(fresh.parameters())}], make)
+    opt_b = offload_optimizer.HostOptimizer([{"params": list(fresh.parameters())}], make)
     fresh.load_state_dict(ckpt["model"])
     opt_b.load_state_dict(ckpt["opt"])
     _host_run(fresh, opt_b, range(3, 5))
@@ -55,7 +56,7 @@ def test_host_optimizer_state_dict_carries_masters():
         assert torch.equal(p, q)
     # negative control: masters left stale (what the old state dict did) give other weights
     stale = copy.deepcopy(fresh)
-    opt_c = off.HostOptimizer([{"params": list(stale.parameters())}], make)
+    opt_c = offload_optimizer.HostOptimizer([{"params": list(stale.parameters())}], make)
     stale.load_state_dict(ckpt["model"])
     opt_c.optimizer.load_state_dict(ckpt["opt"]["optimizer"])
     _host_run(stale, opt_c, range(3, 5))
@@ -214,15 +215,15 @@ def _grads_equal(a, b, rel=1e-6):
 @pytest.mark.parametrize("make", [_gpt_dropout, _gpt2, _llama], ids=["gpt-dropout", "gpt2-hf", "llama"])
 def test_streamed_gradients_equal_plain(make):
     a = make()
-    ok, worst = _grads_equal(a, off.stream_blocks(copy.deepcopy(a), "cpu"))
+    ok, worst = _grads_equal(a, offload_params.stream_blocks(copy.deepcopy(a), "cpu"))
     assert ok, worst
 
 
 def test_rng_replay_negative_control(monkeypatch):
     # without replaying the forward's RNG the recompute draws other dropout masks: detected
-    monkeypatch.setattr(off.DevicePair, "replay_rng", lambda self, state: torch.enable_grad())
+    monkeypatch.setattr(dev.DevicePair, "replay_rng", lambda self, state: torch.enable_grad())
     a = _gpt_dropout()
-    ok, worst = _grads_equal(a, off.stream_blocks(copy.deepcopy(a), "cpu"))
+    ok, worst = _grads_equal(a, offload_params.stream_blocks(copy.deepcopy(a), "cpu"))
     assert not ok and worst > 1e-3
 
 
@@ -247,15 +248,15 @@ def test_pinned_rounding_gpt2_1_5b():
     params = list(model.parameters())
     GiB = 2**30
     plain = 8 * sum(p.numel() for p in params)  # fp32 master + gradient buffer, as asked for
-    f = off.host_footprint(model, ["optimizer"], 0)
+    f = offload_guard.host_footprint(model, ["optimizer"], 0)
     pinned = f["params"] + f["grads"]  # as CUDA's host allocator takes them
     assert plain / GiB == pytest.approx(11.6, abs=0.05)
     assert pinned / GiB == pytest.approx(17.5, abs=0.05)
-    assert off.pinned_bytes(33_000_000) == 1 << 25 and off.pinned_bytes(1 << 25) == 1 << 25
+    assert dev.pinned_bytes(33_000_000) == 1 << 25 and dev.pinned_bytes(1 << 25) == 1 << 25
     colab = int(12.7e9)
-    off.host_ram_guard(plain, "masters", available=colab, reserve=0)  # the old, unrounded plan fit
+    dev.host_ram_guard(plain, "masters", available=colab, reserve=0)  # the old, unrounded plan fit
     with pytest.raises(PlanError, match="17.5 GiB"):
-        off.host_ram_guard(0, "masters", available=colab, reserve=0, pinned=[p.numel() * 4 for p in params] * 2)
+        dev.host_ram_guard(0, "masters", available=colab, reserve=0, pinned=[p.numel() * 4 for p in params] * 2)
 
 
 def test_optimizer_and_params_together_equal_plain():
@@ -267,7 +268,7 @@ def test_optimizer_and_params_together_equal_plain():
     with pytest.raises(ValueError, match="master weights"):  # a checkpoint of another model
         t.optimizer.load_state_dict({**t.optimizer.state_dict(), "masters": []})
     with pytest.raises(PlanError, match="unknown offload strategy"):
-        with off.offloaded(t.optimizer, t.model, "disk"):
+        with offload_optimizer.offloaded(t.optimizer, t.model, "disk"):
             pass
 
 
@@ -335,8 +336,8 @@ def test_host_optimizer_against_torchao_cpu_offload(monkeypatch):
     a = build_model("gpt:2x64", seq=32)
     b, c = copy.deepcopy(a), copy.deepcopy(a)
     theirs = co.CPUOffloadOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-3)
-    ours = off.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
-    wrong = off.HostOptimizer([{"params": list(c.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3, betas=(0.8, 0.999)))
+    ours = offload_optimizer.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3))
+    wrong = offload_optimizer.HostOptimizer([{"params": list(c.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3, betas=(0.8, 0.999)))
     t_theirs, t_ours = _train20(a, theirs), _train20(b, ours)
     _train20(c, wrong)
     diff = lambda m: max((p - q).abs().max().item() for p, q in zip(a.parameters(), m.parameters()))  # noqa: E731
@@ -362,12 +363,12 @@ def _guard_and_measured(plan, steps=2):
     torch.manual_seed(0)
     model = build_model("gpt:4x128", seq=64)
     kinds = [k.split(":")[1] for k in plan.split("+")]
-    guard = sum(off.host_footprint(model, kinds, "adamw").values())
+    guard = sum(offload_guard.host_footprint(model, kinds, "adamw").values())
     with MemoryTracker(device="cpu", alert_at=None) as mt:
         t = Trainer(model, plan, device="cpu", offload_sim=True, tracker=mt)
         for i in range(steps):
             t.step(*TextData().batch(4, 64, step=i))
-    s = off.pair_of(t.model, "cpu").stats()
+    s = dev.pair_of(t.model, "cpu").stats()
     return guard, mt.report()["host_bytes"] + s["pinned_peak_bytes"] - s["payload_peak_bytes"]
 
 
@@ -381,18 +382,18 @@ def test_guard_figure_matches_the_measured_host_bytes(plan):
 
 def test_plan_over_host_ram_is_refused_before_anything_moves(monkeypatch):
     model = build_model("gpt:4x128", seq=64)
-    blocks = off.blocks_of(model)
-    old_figure = sum(off.pinned_bytes(t.numel() * t.element_size()) for t in list(blocks.parameters()) + list(blocks.buffers()))
-    real = sum(off.host_footprint(model, ["params"], "adamw").values())
+    blocks = blocks_of(model)
+    old_figure = sum(dev.pinned_bytes(t.numel() * t.element_size()) for t in list(blocks.parameters()) + list(blocks.buffers()))
+    real = sum(offload_guard.host_footprint(model, ["params"], "adamw").values())
     assert real > 3 * old_figure
     # enough RAM for what the old guard counted, not for what the plan takes
-    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + (old_figure + real) // 2})
+    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + (old_figure + real) // 2})
     with MemoryTracker(device="cpu", alert_at=None) as mt:
         with pytest.raises(PlanError, match="block parameters .* gradient buffers .* optimizer state"):
             Trainer(model, "offload:params", device="cpu", offload_sim=True)
     assert mt.report()["host_bytes"] == 0  # nothing went to the host side before the refusal
     assert not any(getattr(p, "_colabkit_host", False) for p in model.parameters())
-    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + real + (1 << 20)})
+    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + real + (1 << 20)})
     Trainer(model, "offload:params", device="cpu", offload_sim=True)  # control: with the room, it runs
 
 
@@ -404,11 +405,11 @@ def test_offloaded_pinned_counts_pinned_rounding(monkeypatch):
     opt.step()
     opt.zero_grad()
     moments = sum(v.numel() * 4 for s in opt.state.values() for k, v in s.items() if k != "step")
-    monkeypatch.setattr(off, "host_ram", lambda: {"available": off.HOST_RESERVE + int(1.5 * moments)})
-    with off.offloaded(opt, m, "cpu"):  # pageable: fits
+    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + int(1.5 * moments)})
+    with offload_optimizer.offloaded(opt, m, "cpu"):  # pageable: fits
         pass
     with pytest.raises(PlanError, match=r"\(pinned\) needs 16.0 MiB"):  # pinned: two 8 MiB blocks
-        with off.offloaded(opt, m, "pinned"):
+        with offload_optimizer.offloaded(opt, m, "pinned"):
             pass
 
 
@@ -416,7 +417,7 @@ def test_offloaded_pinned_counts_pinned_rounding(monkeypatch):
 def _no_blocking_copies(monkeypatch):
     def blocking(self, t):
         raise AssertionError("a blocking copy to the host inside the step")
-    monkeypatch.setattr(off.DevicePair, "to_host", blocking)
+    monkeypatch.setattr(dev.DevicePair, "to_host", blocking)
 
 
 def _two_steps_without_blocking_copies(plan: str, ref_plan: str, monkeypatch) -> tuple[Trainer, Trainer]:
@@ -436,7 +437,7 @@ def _two_steps_without_blocking_copies(plan: str, ref_plan: str, monkeypatch) ->
 @pytest.mark.parametrize("plan", ["offload:activations", "offload:params"])
 def test_step_copies_to_the_host_are_asynchronous(plan, monkeypatch):
     _, t = _two_steps_without_blocking_copies(plan, "baseline", monkeypatch)
-    s = off.pair_of(t.model, "cpu").stats()
+    s = dev.pair_of(t.model, "cpu").stats()
     # every copy went through the side stream and was waited for before use; none read poison
     assert s["copies"] > 0 and "poisoned" not in s
     if plan == "offload:activations":
@@ -451,20 +452,20 @@ def test_accumulated_gradients_go_to_the_host_asynchronously(plan, monkeypatch):
     # added on the host once landed, with at most one parameter's (block's) copies in flight
     ref, t = _two_steps_without_blocking_copies(plan, "accum:2", monkeypatch)
     assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(ref.model.parameters(), t.model.parameters()))
-    assert "poisoned" not in off.pair_of(t.model, "cpu").stats()
+    assert "poisoned" not in dev.pair_of(t.model, "cpu").stats()
 
 
 def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
     torch.manual_seed(0)
     t = Trainer(build_model("gpt:2x64", seq=32), "offload:activations", device="cpu", offload_sim=True)
-    cache = off.pair_of(t.model, "cpu").cache
+    cache = dev.pair_of(t.model, "cpu").cache
     t.step(*TextData().batch(16, 32, step=0))
     big = cache.held
     for i in range(2):  # the next steps are 8x smaller: what the big batch needed is handed back
         t.step(*TextData().batch(2, 32, step=1 + i))
     small_need = cache.cycle_peak
     assert big > 4 * cache.held and cache.held <= 2 * small_need, (big, cache.held, small_need)
-    free, held = off.HOST_RESERVE + (256 << 10), cache.held  # RAM left; what the cache takes from now on comes out of it
-    monkeypatch.setattr(off, "host_ram", lambda: {"available": free - (cache.held - held)})
+    free, held = dev.HOST_RESERVE + (256 << 10), cache.held  # RAM left; what the cache takes from now on comes out of it
+    monkeypatch.setattr(dev, "host_ram", lambda: {"available": free - (cache.held - held)})
     with pytest.raises(PlanError, match="saved activations"):  # a larger batch: the cache would outgrow RAM
         t.step(*TextData().batch(16, 32, step=5))

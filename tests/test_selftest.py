@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from colabkit.techniques import offload as off
+from colabkit import device as dev
 
 st = importlib.import_module("colabkit.selftest")  # the module (colabkit.selftest is the function)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def test_a_failing_check_exits_1(tmp_path, monkeypatch):
     from colabkit.__main__ import main
 
     # inject a failure: the compute stream no longer waits for the side stream's event (a missing wait_event)
-    monkeypatch.setattr(off.DevicePair, "use", lambda self, event: None)
+    monkeypatch.setattr(dev.DevicePair, "use", lambda self, event: None)
     out = tmp_path / "r.json"
     assert main(["selftest", "--check", "offload:params", "--json", str(out), "--out", str(tmp_path)]) == 1
     r = json.loads(out.read_text())

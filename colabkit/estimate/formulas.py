@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..device import pinned_bytes  # the host-RAM guard's rounding: one rule for both
 from ..memory import fmt_bytes
 from ..models import gpt_config  # noqa: F401  (doctest)
 from ..plan import REGISTRY, Plan
 from ..techniques.chunked_ce import auto_chunk, logits_bytes
-from ..techniques.offload import pinned_bytes  # the host-RAM guard's rounding: one rule for both
 from ..techniques.optimizers import state_bytes_per_param
 
 

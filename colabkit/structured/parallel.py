@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import collective, install_strict, to_compute
+from ..device import to_device_async
 from .matrix import SemiseparableMatrix, relative_error, tridiag_matmul
 
 
@@ -112,7 +113,7 @@ class OffloadedSemiseparable:
         self.host = tuple(host)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        U, V = (t.to(self.device, non_blocking=True, copy=True) for t in self.host)  # host -> device
+        U, V = (to_device_async(t, self.device) for t in self.host)  # host -> device, non-blocking on CUDA
         return SemiseparableMatrix(*self.tri, U, V).matmul(x)
 
     __matmul__ = matmul

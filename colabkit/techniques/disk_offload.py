@@ -56,7 +56,7 @@ from torch.optim.adamw import adamw as _adamw  # torch's own AdamW math (functio
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from ..plan import Context, Plan, PlanError, Technique, register, flag
-from .offload import DevicePair
+from ..device import DevicePair
 from .optimizers import state_bytes_per_param
 
 PAGE = mmap.PAGESIZE
