@@ -561,3 +561,47 @@ def to_device_async(t: torch.Tensor, device: str | torch.device) -> torch.Tensor
     device = torch.device(device)
     return t.to(device, non_blocking=device.type == "cuda", copy=True)
 
+
+# ----- loss scaling with gradients in host memory ---------------------------------------------------
+def host_unscaling(scaler: Any) -> Any:
+    """Make a ``torch.amp.GradScaler`` (or FSDP's ``ShardedGradScaler``) safe for gradients that live in
+    host memory while the scale lives on the device (``offload:optimizer``, ``offload:params``, ``zero:3``
+    with CPU offload). torch's scaler copies ``inv_scale`` and ``found_inf`` to the gradients' device with
+    ``non_blocking=True``: to the CPU that lands in pinned memory *after* the CPU's unscale has read it
+    (stale scale, overflow missed, the scale never backs off). Here host-side gradients are unscaled on the
+    host with their own blocking read of ``inv_scale``; gradients on the scale's device go through torch's
+    own code unchanged. Returns ``scaler``.
+
+    >>> sc = host_unscaling(torch.amp.GradScaler("cpu", init_scale=4.0))
+    >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = mark_host(torch.tensor([8.0, float("inf")]))
+    >>> opt = torch.optim.SGD([p], lr=1.0); _ = sc.scale(torch.ones(()))
+    >>> sc.step(opt); sc.update(); p.tolist(), sc.get_scale()    # overflow: step skipped, scale halved
+    ([1.0, 1.0], 2.0)
+    """
+    plain = scaler._unscale_grads_
+
+    def _unscale_grads_(optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool = True) -> dict:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not any(g.device != inv_scale.device or is_host(g) for g in grads):
+            return plain(optimizer, inv_scale, found_inf, allow_fp16)  # torch's own path
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:  # by (device, host side, dtype): one fused kernel per group
+            g = g._values() if g.is_sparse else g
+            groups.setdefault((g.device, g.device != inv_scale.device or is_host(g), g.dtype), []).append(g)
+        host_dev = next(d for d, host, _ in groups if host)
+        host_inv = inv_scale.to(host_dev, copy=True)  # blocking: the host reads the scale only once it is there
+        host_found = torch.zeros((), dtype=found_inf.dtype, device=host_dev)
+        with torch.no_grad():
+            for (dev, host, _), gs in groups.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, host_found if host else found_inf,
+                                                                 host_inv if host else inv_scale)
+        if host_dev == found_inf.device:  # the CPU twin: both sides are the CPU
+            found_inf += host_found
+            return {found_inf.device: found_inf}
+        return {found_inf.device: found_inf, host_dev: host_found}  # update() sums them on the scale's device
+
+    scaler._unscale_grads_ = _unscale_grads_
+    return scaler

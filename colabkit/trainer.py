@@ -23,6 +23,7 @@ import torch
 from .batches import Batch, LossFn, count, head_of, make_batch, micro_loss
 from .env import default_device, env
 from .data import TextData
+from .device import host_unscaling
 from .memory import MemoryTracker
 from .models import build_model, count_params
 from .plan import Context, Plan, PlanError, param_groups, REGISTRY
@@ -109,7 +110,9 @@ class Trainer:
                 self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
         self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
         # fp16 compute needs loss scaling (techniques set ctx.loss_scaling); otherwise a no-op (scale 1.0).
-        self.scaler = (self.ctx.make_scaler or torch.amp.GradScaler)(self.ctx.device.type, enabled=self.ctx.loss_scaling)
+        # host_unscaling: gradients offloaded to host memory are unscaled there with a blocking read of the scale
+        self.scaler = host_unscaling((self.ctx.make_scaler or torch.amp.GradScaler)(self.ctx.device.type,
+                                                                                enabled=self.ctx.loss_scaling))
         self.accum = self.plan.get("accum", 1)
         self.tracker = tracker
         self.step_count = 0

@@ -469,3 +469,48 @@ def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
     monkeypatch.setattr(dev, "host_ram", lambda: {"available": free - (cache.held - held)})
     with pytest.raises(PlanError, match="saved activations"):  # a larger batch: the cache would outgrow RAM
         t.step(*TextData().batch(16, 32, step=5))
+
+
+# ----- fp16 with gradients in host memory (issue 34, item 1) ----------------------------------------
+class _ReadBeforeLanded:
+    """What torch's ``_MultiDeviceReplicator`` hands a CPU unscale on a GPU run whose gradients live in host
+    memory: ``inv_scale.to("cpu", non_blocking=True)`` into pinned memory, read before the copy landed —
+    the twin's poison (NaN) in place of the value."""
+
+    def __init__(self, master):
+        self.master, self._per_device_tensors = master, {}
+
+    def get(self, device):
+        if device not in self._per_device_tensors:
+            self._per_device_tensors[device] = torch.full_like(self.master, float("nan"), device=device)
+        return self._per_device_tensors[device]
+
+
+def _fp16_run(plan, overflow_at=1, steps=3):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x32", seq=16), plan, device="cpu", offload_sim="offload" in plan)
+    head = t.model.wte.weight  # tied with the head; offload:optimizer copies its gradient to the host
+    weights, scales = [], []
+    for i in range(steps):
+        h = head.register_hook(lambda g: g * float("inf")) if i == overflow_at else None
+        t.step(*TextData().batch(4, 16, step=i))
+        if h is not None:
+            h.remove()
+        weights.append([p.detach().clone() for p in t.model.parameters()])
+        scales.append(t.scaler.get_scale())
+    return weights, scales
+
+
+@pytest.mark.parametrize("plan", ["fp16+offload:optimizer", "fp16+offload:params"])
+def test_fp16_overflow_with_host_gradients_skips_the_step_and_halves_the_scale(plan, monkeypatch):
+    ref_w, ref_s = _fp16_run("fp16")                       # one device, torch's own scaler: no race
+    monkeypatch.setattr(torch.amp.grad_scaler, "_MultiDeviceReplicator", _ReadBeforeLanded)
+    w, s = _fp16_run(plan)
+    assert s == ref_s and s[1] == s[0] / 2                 # the overflow step backs the scale off
+    assert all(torch.equal(a, b) for a, b in zip(w[1], w[0]))   # ... and is skipped
+    for got, ref in zip(w, ref_w):                         # the other steps update as the plain run does
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(got, ref))
+    # negative control: torch's own unscale of host gradients reads the scale before it landed
+    monkeypatch.setattr("colabkit.trainer.host_unscaling", lambda scaler: scaler)
+    w, s = _fp16_run(plan)
+    assert s != ref_s or not all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(w[-1], ref_w[-1]))
