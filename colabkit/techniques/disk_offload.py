@@ -208,7 +208,7 @@ class DiskAdamW(torch.optim.Optimizer):
         """Staged path: chunk k into a pinned buffer."""
         self._map_in(k)
         n = self.chunks[k][2] - self.chunks[k][1]
-        out = buf[:, :n]
+        out = buf.view(-1)[:2 * n].view(2, n)  # contiguous (buf[:, :n] is not: its copy would block on CUDA)
         out.copy_(self._view(k))
         return out
 
@@ -238,6 +238,7 @@ class DiskAdamW(torch.optim.Optimizer):
         else:  # chunk i's pages mapped, writable; a small chunk (a norm, a bias) faults its few pages in
             bring = lambda i: _Done(None) if self._small(todo[i]) else run(self._map_in, todo[i])  # noqa: E731
         lazy = [0, 0]  # file range of small chunks not dropped yet: dropped together, not one call each
+        step_t: dict[tuple, torch.Tensor] = {}  # (device, step) -> the fused kernel's step tensor
         pending = bring(0) if todo else None
         for i, k in enumerate(todo):
             state = pending.result()
@@ -246,7 +247,10 @@ class DiskAdamW(torch.optim.Optimizer):
             p, a, b, _ = self.chunks[k]
             g = group_of[id(p)]
             mv = self.pair.to_compute(state) if staged else self._view(k)  # staged: (2, n) on the GPU
-            _update(p.view(-1)[a:b], p.grad.view(-1)[a:b], mv, self._steps.get(id(p), 0) + 1, g)
+            n_step = self._steps.get(id(p), 0) + 1
+            if (p.device, n_step) not in step_t:  # one fill per step, not a blocking host-to-device copy per chunk
+                step_t[(p.device, n_step)] = torch.full((), float(n_step), device=p.device)
+            _update(p.view(-1)[a:b], p.grad.view(-1)[a:b], mv, n_step, g, step_t[(p.device, n_step)])
             if staged:
                 with self.pair.side():  # back to the pinned buffer, after the update
                     self.pair.copy_(state, mv)
@@ -355,13 +359,17 @@ class DiskAdamW(torch.optim.Optimizer):
         self._finalizer()
 
 
-def _update(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor, step: int, g: dict[str, Any]) -> None:
+def _update(p: torch.Tensor, grad: torch.Tensor, mv: torch.Tensor, step: int, g: dict[str, Any],
+            step_t: torch.Tensor | None = None) -> None:
     """One AdamW step of a flat slice ``p`` from its (2, n) moments ``mv``, in place: torch's fused kernel
     where torch has it for the device and dtypes (``torch.optim.AdamW(fused=True)``'s own call), else its
-    single-tensor path (``torch.optim.AdamW(foreach=False)``)."""
+    single-tensor path (``torch.optim.AdamW(foreach=False)``). ``step_t``: ``step`` as a tensor on ``p``'s
+    device, made once per step by the caller (the kernel reads it, never writes it)."""
     b1, b2 = g["betas"]
     if _fusable(p, grad, mv):
-        torch._fused_adamw_([p], [grad], [mv[0]], [mv[1]], [], [torch.tensor(float(step), device=p.device)],
+        if step_t is None:
+            step_t = torch.full((), float(step), device=p.device)  # a fill on the device: no host-to-device copy
+        torch._fused_adamw_([p], [grad], [mv[0]], [mv[1]], [], [step_t],
                             lr=g["lr"], beta1=b1, beta2=b2, weight_decay=g["weight_decay"], eps=g["eps"],
                             amsgrad=False, maximize=False)
         return

@@ -219,12 +219,15 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                group: dict) -> None:
+                group: dict, step_t: torch.Tensor | None = None) -> None:
         """One AdamW update of (a slice of) a parameter from fp32 moments m, v, in place: torch's fused
-        kernel where it runs (same dtype everywhere, a device torch has it for), else the same math."""
+        kernel where it runs (same dtype everywhere, a device torch has it for), else the same math.
+        ``step`` is the host-side count; ``step_t`` the same on ``p``'s device, made once per parameter."""
         b1, b2 = group["betas"]
         if p.dtype == g.dtype == m.dtype and p.device.type in _FUSED_DEVICES:
-            torch._fused_adamw_([p], [g], [m], [v], [], [step.to(p.device)], lr=group["lr"], beta1=b1, beta2=b2,
+            if step_t is None:
+                step_t = _device_step(step, p.device)
+            torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=group["lr"], beta1=b1, beta2=b2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
             return
         t = step.item()
@@ -279,6 +282,7 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
         mc, vc, ma_all, va_all = (st[k] for k in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
                                                    "exp_avg_sq_absmax"))
         views: dict[int, tuple[torch.Tensor, ...]] = {}  # kp -> buffers as (nb, bs): made once, not per chunk
+        step_t = _device_step(st["step"], p.device)  # once per parameter, not a host-to-device copy per chunk
         # On fake tensors (the estimator's trace) nothing is computed and every chunk allocates what the first
         # one does (same buffers, same block counts; the last, partial one less): one chunk gives the same peak
         # at a fraction of the traced ops.
@@ -302,7 +306,7 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
                 if kp > k:  # the padding of the last block: zeros, as when it was quantized
                     mbuf[k:kp].zero_()
                     vbuf[k:kp].zero_()
-            self._update(flat_p[c0:c1], grad[c0:c1], m_flat, v_flat, st["step"], group)
+            self._update(flat_p[c0:c1], grad[c0:c1], m_flat, v_flat, st["step"], group, step_t)
             self._m_out(m, ma, mc, c0, k, kp, u)
             self._codes_out(_sqrt_codes(v, self.SQRT_LEVELS, va), vc, c0, k, kp, u)
 
@@ -327,6 +331,12 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
 
 
 _FUSED_DEVICES = frozenset(_get_fused_kernels_supported_devices())  # where torch has _fused_adamw_
+
+
+def _device_step(step: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host-side step count as the fused kernel's step tensor on ``device``: the same tensor on the
+    host, else a fill on the device (no host-to-device copy, no sync)."""
+    return step if step.device == device else torch.full((), float(step.item()), device=device)
 
 
 class AdamW4bit(_BlockwiseAdamW):
