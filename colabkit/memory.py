@@ -10,6 +10,10 @@ a tensor held in the optimizer's state, else by the phase that created it (forwa
 anything else -> other). Peaks are replayed with those final
 categories, so optimizer state created inside ``step()`` counts as optimizer state from its birth.
 
+The tracker's parts live beside it: its ledger and the replay into peaks in :mod:`colabkit.memory_ledger`,
+its hooks into torch besides the dispatch mode (``resize_``, CUDA's counters) in :mod:`colabkit.memory_hooks`;
+every name stays importable from here.
+
 >>> import torch
 >>> model = torch.nn.Linear(64, 64)
 >>> opt = torch.optim.AdamW(model.parameters())
@@ -33,7 +37,6 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -42,8 +45,6 @@ from torch.utils._pytree import tree_flatten
 
 from .env import GiB, MiB, budget_bytes as _default_budget, host_ram
 from .device import _HOST, _HOST_SCOPE, _PLAIN, _storages, fmt_bytes, host_side, is_host, mark_host  # noqa: F401  (host tagging: the seam's)
-
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
 # What to try when a category fills memory (used by alerts and the OOM post-mortem).
 ADVICE = {
@@ -93,95 +94,9 @@ def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
         yield from tensors_in(dict(optimizer.state))
 
 
-class CudaStats:
-    """The CUDA caching allocator's counters, the tracker's only CUDA calls besides snapshots (a test
-    swaps in a fake allocator here to check the tracker's logic on a CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
-
-    def peak(self) -> int:
-        """Largest ``allocated()`` since the last :meth:`reset_peak`."""
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def peak_reserved(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def used(self) -> int | None:
-        """The device's used memory as NVML sees it (other processes included), None without NVML."""
-        try:
-            return torch.cuda.device_memory_used(self.device)
-        except Exception:  # no NVML (or AMD without amdsmi): not essential
-            return None
-
-
-@dataclass(slots=True)
-class _Info:
-    nbytes: int
-    phase: str
-    op: str
-    step: int
-    kind: str | None = None  # params/grads/optimizer once known; None -> decided by phase
-    dead: bool = False
-    host: bool = False  # host side (offload): counted in host_bytes, not the device's peak
-
-    @property
-    def category(self) -> str:
-        if self.kind:
-            return self.kind
-        return "activations" if self.phase == "forward" else "other"
-
-
-# ----- storage resizes ---------------------------------------------------------------------------
-# FSDP2 frees an all-gathered parameter with ``tensor.untyped_storage().resize_(0)`` and re-allocates it
-# with ``resize_(n)`` before the next all-gather (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
-# free_storage / alloc_storage): a direct call into the storage, no aten op, so no dispatch mode sees it.
-# While any tracker is active, ``torch.UntypedStorage.resize_`` is wrapped to tell every active tracker
-# (nested ones too); the last one to exit puts the original back.
-_RESIZING: list["MemoryTracker"] = []
-_RESIZE_LOCK = threading.Lock()
-_RESIZE_PREV: list[Any] = []  # resize_ as it was when the wrapper went in
-
-
-def _resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
-    out = _RESIZE_PREV[0](self, size)
-    for tracker in tuple(_RESIZING):
-        tracker._resized(self)
-    return out
-
-
-def _watch_resizes(tracker: "MemoryTracker", on: bool) -> None:
-    """Start (``on``) or stop telling ``tracker`` about ``UntypedStorage.resize_`` calls."""
-    with _RESIZE_LOCK:
-        if on:
-            if not _RESIZING:
-                _RESIZE_PREV[:] = [torch.UntypedStorage.__dict__.get("resize_", torch._C.StorageBase.resize_)]
-                torch.UntypedStorage.resize_ = _resize_
-            _RESIZING.append(tracker)
-        elif tracker in _RESIZING:
-            _RESIZING.remove(tracker)
-            if not _RESIZING:
-                prev = _RESIZE_PREV.pop()
-                if prev is torch._C.StorageBase.resize_:  # it was inherited: inherit it again
-                    del torch.UntypedStorage.resize_
-                else:
-                    torch.UntypedStorage.resize_ = prev
-
-
-_ATEN_RESIZE = torch.ops.aten.resize_.default  # tensor.resize_: an aten op whose output is its input
-_STORAGE_RESIZE = getattr(getattr(torch.ops, "inductor", None), "resize_storage_bytes_", None)  # compiled FSDP2
+from .memory_hooks import (_ATEN_RESIZE, _RESIZING, _STORAGE_RESIZE, CudaStats, _tensors_of,  # noqa: F401
+                           _watch_resizes)  # (the tracker's hooks; names kept importable from here)
+from .memory_ledger import CATEGORIES, Ledger, _dead_callback, _Info  # noqa: F401
 
 
 class _Mode(TorchDispatchMode):
@@ -227,31 +142,7 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-def _tensors_of(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
-    """The tensors among an op's arguments (flat, or in a list: aten ops nest no deeper)."""
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
-                elif isinstance(b, (tuple, list, dict)):  # not an aten schema; be safe
-                    yield from (x for x in tree_flatten(b)[0] if isinstance(x, torch.Tensor))
-
-
-def _dead_callback(tracker_ref: "weakref.ref[MemoryTracker]") -> Callable[[Any], None]:
-    """The callback of the weak references to tracked storages: the storage ``ref`` pointed to is freed."""
-    def dead(ref: Any) -> None:
-        tracker = tracker_ref()
-        if tracker is not None:
-            entry = tracker._refs.pop(id(ref), None)
-            if entry is not None:
-                tracker._free(entry[1], entry[2])
-    return dead
-
-
-class MemoryTracker:
+class MemoryTracker(Ledger):
     """Context manager that measures memory by category, phase and step on any device.
 
     Args:
@@ -480,29 +371,6 @@ class MemoryTracker:
         if over and not self.alerts:
             self._alert()
 
-    def _free(self, key: int, sid: int) -> None:
-        with self._lock:
-            info = self._infos.get(key)
-            if info is None or info.dead:
-                return
-            info.dead = True
-            if self._ids.get(sid) == key:
-                del self._ids[sid]
-            self._events.append((key, -info.nbytes))
-            if info.host:
-                self._host_total -= info.nbytes
-            else:
-                self._total -= info.nbytes
-            if len(self._events) > 200_000:  # bound the log in long runs without step labels
-                self._fold()
-
-    def _to_host(self, info: _Info) -> None:
-        with self._lock:
-            info.host = True  # its logged events replay on the host side at the next fold
-            if not info.dead:
-                self._total -= info.nbytes
-                self._host_total += info.nbytes
-
     def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         host_any = bool(_HOST)
         for t in tensors:
@@ -551,67 +419,6 @@ class MemoryTracker:
             return self._cuda.allocated()
         return self._total
 
-    def _reset_window(self) -> None:
-        with self._lock:
-            cats = dict.fromkeys(CATEGORIES, 0)
-            hcats = dict.fromkeys(CATEGORIES, 0)
-            for info in self._live_infos():
-                (hcats if info.host else cats)[info.category] += info.nbytes
-            self._host_now, self._host_cat_peak = hcats, dict(hcats)
-            self._host_peak = sum(hcats.values())
-            self._window_start = dict(cats)
-            self._cat_now = cats
-            self._cat_peak = dict(cats)
-            self._peak = sum(cats.values())
-            self._at_peak = dict(cats)
-            self._phase_at_peak = self._phase
-            self._step_at_peak = self._step
-            # per phase of allocation: the total's peak, the categories then, and each category's own peak
-            self._phase_peaks: dict[str, dict[str, Any]] = {}
-
-    def _fold(self) -> None:
-        """Replay pending events with final categories into the running peaks, then drop them."""
-        with self._lock:
-            events, self._events = self._events, []
-            cats, total = self._cat_now, sum(self._cat_now.values())
-            hcats, htotal = self._host_now, sum(self._host_now.values())
-            dead = []
-            for ev in events:  # (uid, bytes), or (uid, bytes, phase, step) for a resize: when it happened
-                key, delta = ev[0], ev[1]
-                info = self._infos[key]
-                if info.host:  # the host side keeps its own peaks
-                    c = info.category
-                    hcats[c] += delta
-                    htotal += delta
-                    self._host_cat_peak[c] = max(self._host_cat_peak[c], hcats[c])
-                    self._host_peak = max(self._host_peak, htotal)
-                    if info.dead:  # (a storage resized smaller is still alive)
-                        dead.append(key)
-                    continue
-                cats[info.category] += delta
-                total += delta
-                if delta > 0:
-                    c = info.category
-                    if cats[c] > self._cat_peak[c]:
-                        self._cat_peak[c] = cats[c]
-                    phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
-                    if total > self._peak:
-                        self._peak, self._at_peak = total, dict(cats)
-                        self._phase_at_peak, self._step_at_peak = phase, step
-                    pp = self._phase_peaks.get(phase)
-                    if pp is None:
-                        pp = self._phase_peaks[phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
-                    if total > pp["peak"]:
-                        pp["peak"], pp["at_peak"] = total, dict(cats)
-                    own = pp["own"]  # each category's largest value during the phase (also what it carries in)
-                    for k, v in cats.items():
-                        if v > own[k]:
-                            own[k] = v
-                elif info.dead:  # (a storage resized smaller is still alive)
-                    dead.append(key)
-            for key in dead:
-                self._infos.pop(key, None)
-
     # ----- samples, alerts ---------------------------------------------------------------------
     def _sample(self, phase: str, cuda_peak: int | None = None) -> dict:
         cats = self.current()
@@ -650,58 +457,6 @@ class MemoryTracker:
         warnings.warn(msg, ResourceWarning, stacklevel=3)
 
     # ----- results -----------------------------------------------------------------------------
-    def current(self) -> dict[str, int]:
-        """Bytes live now, by category."""
-        cats = dict.fromkeys(CATEGORIES, 0)
-        with self._lock:
-            for info in self._live_infos():
-                if not info.host:
-                    cats[info.category] += info.nbytes
-        return cats
-
-    def host_current(self) -> dict[str, int]:
-        """Host-side bytes live now, by category (offload: pinned on CUDA, simulated on a CPU)."""
-        cats = dict.fromkeys(CATEGORIES, 0)
-        with self._lock:
-            for info in self._live_infos():
-                if info.host:
-                    cats[info.category] += info.nbytes
-        return cats
-
-    def _live_infos(self) -> list[_Info]:
-        return [i for i in self._infos.values() if not i.dead]
-
-    def report(self) -> dict[str, Any]:
-        """Peaks over the measured window: ``peak_bytes`` (CUDA: max_memory_allocated), each
-        category's own peak in ``breakdown``, the categories at the total's peak in ``at_peak``."""
-        self._classify()
-        self._fold()
-        r: dict[str, Any] = {
-            "device": str(self.device),
-            "peak_bytes": self._peak,
-            "tracked_peak_bytes": self._peak,
-            "breakdown": dict(self._cat_peak),
-            "at_peak": dict(self._at_peak),
-            "peak_phase": self._phase_at_peak,
-            "peak_step": self._step_at_peak,
-            "phase_peaks": {p: {"peak": v["peak"], "at_peak": dict(v["at_peak"]), "own": dict(v["own"])}
-                            for p, v in self._phase_peaks.items()},
-            "budget_bytes": self.budget_bytes,
-            "alerts": list(self.alerts),
-            "host_rss_peak": max((s["host_rss"] or 0) for s in self.timeline) if self.timeline else None,
-            "host_bytes": self._host_peak,  # host side (offload), each category's peak below
-            "host_breakdown": dict(self._host_cat_peak),
-        }
-        if self.is_cuda:  # max_memory_allocated over the window, folded across the per-phase resets
-            self._cuda_fold()
-            r["peak_bytes"] = self._cuda_peak
-            r["peak_reserved_bytes"] = self._cuda_peak_reserved
-            r["device_used_bytes"] = self._cuda.used()  # NVML
-        if not self.categories:
-            r["breakdown"] = r["at_peak"] = r["host_breakdown"] = None
-            r["tracked_peak_bytes"] = r["host_bytes"] = None
-        return r
-
     def table(self) -> str:
         """The report as a readable table."""
         return format_report(self.report())

@@ -1,0 +1,186 @@
+"""The tracker's ledger: every tracked storage (its size, the phase and step that made it, its category
+once known), the log of allocations and frees since the last fold, and the replay of that log into the
+measured window's peaks -- the total's, each category's own, and per phase -- with the categories the
+storages finally turned out to have. :class:`colabkit.memory.MemoryTracker` is a :class:`Ledger`: it
+records into it (``_add``, ``_resized``, ``_mark``) and supplies ``_classify()`` and the CUDA counters
+that :meth:`Ledger.report` reads.
+
+>>> _Info(512, "forward", "mm", 0).category, _Info(512, "backward", "mm", 0).category
+('activations', 'other')
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+
+
+@dataclass(slots=True)
+class _Info:
+    nbytes: int
+    phase: str
+    op: str
+    step: int
+    kind: str | None = None  # params/grads/optimizer once known; None -> decided by phase
+    dead: bool = False
+    host: bool = False  # host side (offload): counted in host_bytes, not the device's peak
+
+    @property
+    def category(self) -> str:
+        if self.kind:
+            return self.kind
+        return "activations" if self.phase == "forward" else "other"
+
+
+def _dead_callback(tracker_ref: "weakref.ref[MemoryTracker]") -> Callable[[Any], None]:
+    """The callback of the weak references to tracked storages: the storage ``ref`` pointed to is freed."""
+    def dead(ref: Any) -> None:
+        tracker = tracker_ref()
+        if tracker is not None:
+            entry = tracker._refs.pop(id(ref), None)
+            if entry is not None:
+                tracker._free(entry[1], entry[2])
+    return dead
+
+
+class Ledger:
+    """Peaks and live bytes from the storages the tracker recorded; the state is set up by
+    ``MemoryTracker.__init__`` (``_infos``, ``_events``, ``_lock``, running totals) and
+    :meth:`_reset_window`."""
+
+    def _free(self, key: int, sid: int) -> None:
+        with self._lock:
+            info = self._infos.get(key)
+            if info is None or info.dead:
+                return
+            info.dead = True
+            if self._ids.get(sid) == key:
+                del self._ids[sid]
+            self._events.append((key, -info.nbytes))
+            if info.host:
+                self._host_total -= info.nbytes
+            else:
+                self._total -= info.nbytes
+            if len(self._events) > 200_000:  # bound the log in long runs without step labels
+                self._fold()
+
+    def _to_host(self, info: _Info) -> None:
+        with self._lock:
+            info.host = True  # its logged events replay on the host side at the next fold
+            if not info.dead:
+                self._total -= info.nbytes
+                self._host_total += info.nbytes
+
+    def _reset_window(self) -> None:
+        with self._lock:
+            cats = dict.fromkeys(CATEGORIES, 0)
+            hcats = dict.fromkeys(CATEGORIES, 0)
+            for info in self._live_infos():
+                (hcats if info.host else cats)[info.category] += info.nbytes
+            self._host_now, self._host_cat_peak = hcats, dict(hcats)
+            self._host_peak = sum(hcats.values())
+            self._window_start = dict(cats)
+            self._cat_now = cats
+            self._cat_peak = dict(cats)
+            self._peak = sum(cats.values())
+            self._at_peak = dict(cats)
+            self._phase_at_peak = self._phase
+            self._step_at_peak = self._step
+            # per phase of allocation: the total's peak, the categories then, and each category's own peak
+            self._phase_peaks: dict[str, dict[str, Any]] = {}
+
+    def _fold(self) -> None:
+        """Replay pending events with final categories into the running peaks, then drop them."""
+        with self._lock:
+            events, self._events = self._events, []
+            cats, total = self._cat_now, sum(self._cat_now.values())
+            hcats, htotal = self._host_now, sum(self._host_now.values())
+            dead = []
+            for ev in events:  # (uid, bytes), or (uid, bytes, phase, step) for a resize: when it happened
+                key, delta = ev[0], ev[1]
+                info = self._infos[key]
+                if info.host:  # the host side keeps its own peaks
+                    c = info.category
+                    hcats[c] += delta
+                    htotal += delta
+                    self._host_cat_peak[c] = max(self._host_cat_peak[c], hcats[c])
+                    self._host_peak = max(self._host_peak, htotal)
+                    if info.dead:  # (a storage resized smaller is still alive)
+                        dead.append(key)
+                    continue
+                cats[info.category] += delta
+                total += delta
+                if delta > 0:
+                    c = info.category
+                    if cats[c] > self._cat_peak[c]:
+                        self._cat_peak[c] = cats[c]
+                    phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
+                    if total > self._peak:
+                        self._peak, self._at_peak = total, dict(cats)
+                        self._phase_at_peak, self._step_at_peak = phase, step
+                    pp = self._phase_peaks.get(phase)
+                    if pp is None:
+                        pp = self._phase_peaks[phase] = {"peak": 0, "at_peak": dict(cats), "own": dict(cats)}
+                    if total > pp["peak"]:
+                        pp["peak"], pp["at_peak"] = total, dict(cats)
+                    own = pp["own"]  # each category's largest value during the phase (also what it carries in)
+                    for k, v in cats.items():
+                        if v > own[k]:
+                            own[k] = v
+                elif info.dead:  # (a storage resized smaller is still alive)
+                    dead.append(key)
+            for key in dead:
+                self._infos.pop(key, None)
+
+    def current(self) -> dict[str, int]:
+        """Bytes live now, by category."""
+        cats = dict.fromkeys(CATEGORIES, 0)
+        with self._lock:
+            for info in self._live_infos():
+                if not info.host:
+                    cats[info.category] += info.nbytes
+        return cats
+
+    def host_current(self) -> dict[str, int]:
+        """Host-side bytes live now, by category (offload: pinned on CUDA, simulated on a CPU)."""
+        cats = dict.fromkeys(CATEGORIES, 0)
+        with self._lock:
+            for info in self._live_infos():
+                if info.host:
+                    cats[info.category] += info.nbytes
+        return cats
+
+    def _live_infos(self) -> list[_Info]:
+        return [i for i in self._infos.values() if not i.dead]
+
+    def report(self) -> dict[str, Any]:
+        """Peaks over the measured window: ``peak_bytes`` (CUDA: max_memory_allocated), each
+        category's own peak in ``breakdown``, the categories at the total's peak in ``at_peak``."""
+        self._classify()
+        self._fold()
+        r: dict[str, Any] = {
+            "device": str(self.device),
+            "peak_bytes": self._peak,
+            "tracked_peak_bytes": self._peak,
+            "breakdown": dict(self._cat_peak),
+            "at_peak": dict(self._at_peak),
+            "peak_phase": self._phase_at_peak,
+            "peak_step": self._step_at_peak,
+            "phase_peaks": {p: {"peak": v["peak"], "at_peak": dict(v["at_peak"]), "own": dict(v["own"])}
+                            for p, v in self._phase_peaks.items()},
+            "budget_bytes": self.budget_bytes,
+            "alerts": list(self.alerts),
+            "host_rss_peak": max((s["host_rss"] or 0) for s in self.timeline) if self.timeline else None,
+            "host_bytes": self._host_peak,  # host side (offload), each category's peak below
+            "host_breakdown": dict(self._host_cat_peak),
+        }
+        if self.is_cuda:  # max_memory_allocated over the window, folded across the per-phase resets
+            self._cuda_fold()
+            r["peak_bytes"] = self._cuda_peak
+            r["peak_reserved_bytes"] = self._cuda_peak_reserved
+            r["device_used_bytes"] = self._cuda.used()  # NVML
+        if not self.categories:
+            r["breakdown"] = r["at_peak"] = r["host_breakdown"] = None
+            r["tracked_peak_bytes"] = r["host_bytes"] = None
+        return r
