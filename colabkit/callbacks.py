@@ -9,8 +9,8 @@ a plain function there is called with the step's dict, as its ``on_step_end``.
 
 The events, in the order one run fires them (every method gets the :class:`Run` first):
 
-- ``on_init_end(run)``: the Trainer is built (a checkpoint is restored here: ``run.step`` is where the run starts)
-- ``on_train_begin(run)``
+- ``on_init_end(run)``: the Trainer is built (:class:`~colabkit.checkpoints.Checkpointing` restores a checkpoint here)
+- ``on_train_begin(run)``: ``run.step`` is where the run starts (a resumed run: its checkpoint's step)
 - ``on_step_begin(run, step)``: ``step`` is the 1-based number of the optimizer step about to run
 - ``on_oom(run, event)``: the step ran out of memory: ``{"step", "error", "recovered", "shrink"}``
 - ``on_step_end(run, event)``: ``{"step", "loss", "step_time_s", "trainer"}`` (the dict plain functions get)

@@ -456,7 +456,7 @@ class Checkpointing(Callback):
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def __post_init__(self):
-        self._saved_at, self._saved_time = 0, 0.0
+        self._saved_time = 0.0
         self._minutes = self.minutes if self.minutes is not None or self.every else CHECKPOINT_MINUTES
 
     def on_init_end(self, run: Run) -> None:
@@ -469,12 +469,14 @@ class Checkpointing(Callback):
                 ([f"every {self._minutes:g} min of wall time"] if self._minutes else []) + \
                 [f"at the end (the newest {self.keep} kept)"]
             print(f"colabkit: checkpoints to {self.dir}: {' and '.join(when)}")
-        self._saved_at, self._saved_time = run.step, self.clock()
+        self._saved_time = self.clock()
 
     def on_step_end(self, run: Run, event: dict[str, Any]) -> None:
+        """Save by the cadence, and after the run's last step (before ``on_train_end``)."""
         n = event["step"]
         if self.dir and ((self.every and n % self.every == 0)
-                         or (self._minutes and self.clock() - self._saved_time >= 60 * self._minutes)):
+                         or (self._minutes and self.clock() - self._saved_time >= 60 * self._minutes)
+                         or n == run.steps):
             self.save(run, event["loss"])
 
     def on_oom(self, run: Run, event: dict[str, Any]) -> None:
@@ -483,14 +485,9 @@ class Checkpointing(Callback):
             path = self.save(run, run.losses[-1] if run.losses else None)
             print(f"colabkit: out of memory; state before step {event['step']} saved to {path}")
 
-    def on_train_end(self, run: Run) -> None:
-        """The end-of-run checkpoint (not when a step raised: a killed run writes nothing more)."""
-        if self.dir and run.error is None and run.trainer is not None and run.step != self._saved_at:
-            self.save(run, run.losses[-1] if run.losses else None)
-
     def save(self, run: Run, loss: float | None) -> str:
         path = save_trainer(run.trainer, self.dir, keep=self.keep, run=run.identity, loss=loss)
-        self._saved_at, self._saved_time = run.step, self.clock()
+        self._saved_time = self.clock()
         run.fire("on_save", path)
         return path
 
