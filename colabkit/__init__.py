@@ -34,7 +34,8 @@ from .techniques.precision import autocast
 from .demos import fp16_overflow_demo
 from .estimate import calibrate, estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
 from .oom import OutOfMemoryWithAdvice, oom_guard
-from .checkpoints import CheckpointError, list_checkpoints
+from .checkpoints import CheckpointError, Checkpointing, list_checkpoints
+from .callbacks import Callback, Run  # noqa: E402  (the train loop's events: one object per concern, a user's own too)
 from .drive import drive_dir
 from .techniques.checkpoint import checkpoint_blocks, saved_bytes
 from .techniques.accumulation import micro_batch_sizes, window_loss

@@ -34,16 +34,21 @@ import os
 import random
 import re
 import struct
+import time
 import warnings
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
+from .callbacks import Callback, Run
 from .determinism import restore_threads
 from .plan import PlanError
+from .trainer import weights_sha256
 
 __all__ = ["CheckpointError", "write_checkpoint", "read_checkpoint", "read_latest", "list_checkpoints",
-           "save_trainer", "load_trainer", "trainer_state", "rng_state", "set_rng_state", "check_compatible"]
+           "save_trainer", "load_trainer", "trainer_state", "rng_state", "set_rng_state", "check_compatible",
+           "Checkpointing", "CHECKPOINT_MINUTES"]
 
 MAGIC = b"CKCKPT01"
 FORMAT = 1
@@ -423,3 +428,87 @@ def _load_model_state(model: torch.nn.Module, saved: dict[str, torch.Tensor]) ->
         raise CheckpointError(f"the checkpoint's model state does not match this model: missing {missing[:3]}, "
                               f"unexpected or different {differ[:3]}; resume with the same model")
 
+
+
+# ----- the train loop's checkpointing: cadence, keep-N, resume --------------------------------------------
+CHECKPOINT_MINUTES = 10.0  # with only a checkpoint folder: a checkpoint every 10 min of wall time (Colab disconnects)
+
+
+@dataclass
+class Checkpointing(Callback):
+    """Crash-safe checkpoints of a ``train()`` run, as settings and as the object receiving its events.
+
+    A checkpoint is written to ``dir`` every ``every`` steps and/or every ``minutes`` of wall time (with
+    neither: every 10 minutes), at the end, and (the state before the step) when a step runs out of memory;
+    the newest ``keep`` stay. ``resume=True`` (or ``"auto"``) continues from the newest valid checkpoint when
+    there is one and starts fresh otherwise, saying which; ``resume="must"`` raises when there is none.
+    ``clock``: the wall clock the cadence reads (seconds).
+
+    >>> Checkpointing("ckpt", every=50, resume=True).keep
+    3
+    """
+
+    dir: str | None = None
+    every: int = 0
+    minutes: float | None = None
+    keep: int = 3
+    resume: bool | str = False
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def __post_init__(self):
+        self._saved_time = 0.0
+        self._minutes = self.minutes if self.minutes is not None or self.every else CHECKPOINT_MINUTES
+
+    def on_init_end(self, run: Run) -> None:
+        """Restore the newest checkpoint (``resume``) and say the cadence."""
+        if self.resume and self.dir:
+            run.resumed_from = load_trainer(run.trainer, self.dir, run=run.identity, required=self.resume == "must")
+            run.complete = _say_resumed(run.trainer, run.resumed_from, self.dir, run.steps)
+        if self.dir and not run.complete:
+            when = ([f"every {self.every} steps"] if self.every else []) + \
+                ([f"every {self._minutes:g} min of wall time"] if self._minutes else []) + \
+                [f"at the end (the newest {self.keep} kept)"]
+            print(f"colabkit: checkpoints to {self.dir}: {' and '.join(when)}")
+        self._saved_time = self.clock()
+
+    def on_step_end(self, run: Run, event: dict[str, Any]) -> None:
+        """Save by the cadence, and after the run's last step (before ``on_train_end``)."""
+        n = event["step"]
+        if self.dir and ((self.every and n % self.every == 0)
+                         or (self._minutes and self.clock() - self._saved_time >= 60 * self._minutes)
+                         or n == run.steps):
+            self.save(run, event["loss"])
+
+    def on_oom(self, run: Run, event: dict[str, Any]) -> None:
+        """An out-of-memory the step could not recover from: the state before the step is saved."""
+        if self.dir and not event["recovered"]:
+            path = self.save(run, run.losses[-1] if run.losses else None)
+            print(f"colabkit: out of memory; state before step {event['step']} saved to {path}")
+
+    def save(self, run: Run, loss: float | None) -> str:
+        path = save_trainer(run.trainer, self.dir, keep=self.keep, run=run.identity, loss=loss)
+        self._saved_time = self.clock()
+        run.fire("on_save", path)
+        return path
+
+
+def _say_resumed(trainer: Any, path: str | None, directory: str, steps: int) -> bool:
+    """Say what ``resume`` found: a checkpoint to continue, a finished run (True), or nothing (a fresh
+    start); a checkpoint past ``steps`` is an error."""
+    if path is None:
+        print(f"colabkit: nothing to resume in {directory} ("
+              + ("no valid checkpoint" if os.path.isdir(directory) else "the folder does not exist yet")
+              + "): starting a fresh run")
+        return False
+    n, name = trainer.step_count, os.path.basename(path)
+    if n > steps:
+        raise ValueError(f"steps={steps} is below the newest checkpoint in {directory} ({name}, step {n}): to continue "
+                         f"that run ask for more than {n} steps; for a new run use another checkpoint folder")
+    if n < steps:
+        print(f"colabkit: resumed from step {n} ({name} in {directory})")
+        return False
+    loss = getattr(trainer, "checkpoint_loss", None)
+    print(f"colabkit: the run in {directory} is complete: step {n} of {steps}, final loss "
+          f"{'(not recorded)' if loss is None else f'{loss:.4f}'}, weights sha256 {weights_sha256(trainer.model)[:16]}; "
+          "nothing to train (ask for more steps to continue it)")
+    return True

@@ -1,6 +1,7 @@
 """Memory logging to TensorBoard, Weights & Biases or a CSV file, one row per optimizer step.
 
-``train(..., log=["tensorboard", "csv"])`` adds a logger per backend as a train-loop callback. Each
+``train(..., log=["tensorboard", "csv"])`` adds :class:`Logging`, which opens a logger per backend when the
+run begins, writes each step's row at ``on_step_end`` and closes them at the end. Each
 step logs the loss, the step time, the step's peak of tracked device memory and each category's
 largest value in the step (from the tracker's phase-boundary samples), and the host RAM (RSS).
 TensorBoard and W&B are optional: a missing package raises an error with the install line. W&B
@@ -19,6 +20,7 @@ import os
 import warnings
 from typing import Any, Callable, Sequence
 
+from .callbacks import Callback, Run
 from .memory import CATEGORIES
 
 BACKENDS = ("tensorboard", "wandb", "csv")
@@ -50,10 +52,14 @@ def memory_metrics(tracker: Any, step: int) -> dict[str, float]:
     return out
 
 
-class Logger:
-    """A callback for ``train(callbacks=[...])``: writes :func:`step_metrics` at every step."""
+class Logger(Callback):
+    """A callback for ``train(callbacks=[...])``: writes :func:`step_metrics` at every step (also callable
+    with the step's dict, as a plain-function callback)."""
 
     _warned = False
+
+    def on_step_end(self, run: Run, event: dict[str, Any]) -> None:
+        self(event)
 
     def __call__(self, event: dict[str, Any]) -> None:
         metrics = step_metrics(event)
@@ -176,3 +182,29 @@ def make_loggers(log: str | Sequence[str] | None, directory: str, resume_step: i
             lg.close()
         raise
     return made
+
+
+class Logging(Callback):
+    """``train(log=..., log_dir=...)``: the loggers of :func:`make_loggers`, opened when the run begins (once
+    the plan is accepted, so a refused plan leaves no empty log files; a resumed run continues its CSV from the
+    checkpoint's step), a row per step, closed at the end (also when a step raised: the logs are complete and a
+    W&B run ended)."""
+
+    def __init__(self, log: str | Sequence[str], log_dir: str | None = None):
+        self.log, self.dir = log, log_dir or os.path.join("runs", "colabkit")
+        self.loggers: list[Logger] = []
+
+    def on_train_begin(self, run: Run) -> None:
+        self.loggers = make_loggers(self.log, self.dir, resume_step=run.step if run.resumed_from else None)
+        if self.loggers:
+            first = self.loggers[0].path
+            print(f"colabkit: logging {', '.join(type(lg).__name__[:-6].lower() for lg in self.loggers)} to "
+                  f"{first if os.path.isdir(first) else os.path.dirname(first)}")
+
+    def on_step_end(self, run: Run, event: dict[str, Any]) -> None:
+        for lg in self.loggers:
+            lg(event)
+
+    def on_train_end(self, run: Run) -> None:
+        for lg in self.loggers:
+            lg.close()

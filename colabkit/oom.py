@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .callbacks import Callback, Run
 from .memory import ADVICE, CATEGORIES, MemoryTracker, fmt_bytes
 
 
@@ -150,3 +151,63 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
         print(pm.text())
     if reraise:
         raise OutOfMemoryWithAdvice(pm.text(), pm.report)
+
+
+def batch_size(batch: Any) -> int:
+    """Examples in a step's batch: ``(x, y)`` or a dict of tensors (dim 0 of its first tensor)."""
+    tensors = batch.values() if isinstance(batch, dict) else batch
+    return next(t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.ndim)
+
+
+class OOMHandling(Callback):
+    """What the train loop does when a step runs out of memory.
+
+    ``on_oom="shrink"``: free the failed step, halve the micro-batch (doubling the accumulation: same
+    effective batch, same normalisation by the window's tokens) and retry the same data from the same RNG
+    state, until one sequence per micro-batch. Otherwise (``"stop"``, or a shrink that cannot go further):
+    with a tracker, the post-mortem (:func:`oom_guard`: freed, snapshot saved, categories shown, a plan that
+    fits suggested), ``on_oom`` fired with ``recovered: False`` (checkpointing saves the state before the
+    step), and the error raised. Other errors pass untouched.
+
+    >>> OOMHandling("shrink").mode
+    'shrink'
+    """
+
+    def __init__(self, mode: str = "stop"):
+        self.mode = mode  # train(on_oom=...): "shrink" or "stop"
+
+    def step(self, trainer: Any, batch: Any, run: Run) -> float:
+        """One optimizer step of ``trainer`` on ``batch`` (``(x, y)`` or a dict) under this handling."""
+        guard = oom_guard(run.tracker, model=run.model_name, batch=run.batch, seq=run.seq, plan=str(trainer.plan),
+                          trainer=trainer, gpu=run.gpu) if run.tracker is not None else contextlib.nullcontext()
+        try:
+            with guard:
+                return self._shrinking(trainer, batch, run)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if is_oom(e):
+                run.fire("on_oom", {"step": trainer.step_count + 1, "error": e, "recovered": False, "shrink": None})
+            raise
+
+    def _shrinking(self, trainer: Any, batch: Any, run: Run) -> float:
+        size = batch_size(batch)
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        while True:
+            try:
+                return trainer.step(*batch) if isinstance(batch, tuple) else trainer.step(batch)
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                k = trainer.accum
+                if self.mode != "shrink" or not is_oom(err) or size % (2 * k):
+                    raise
+                free_after_oom(trainer, err)
+                msg = str(err).splitlines()[0] if str(err) else "out of memory"
+                del err
+                trainer.accum = 2 * k
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state_all(rng[1])
+                shrink = {"step": trainer.step_count, "micro_batch": size // k, "to_micro_batch": size // (2 * k),
+                          "accum": 2 * k}
+                run.oom_shrinks.append(shrink)
+                print(f"colabkit: out of memory at step {trainer.step_count} with micro-batch {size // k}; "
+                      f"retrying with micro-batch {size // (2 * k)} x accum {2 * k} (effective batch {size})")
+                run.fire("on_oom", {"step": trainer.step_count + 1, "error": msg, "recovered": True, "shrink": shrink})

@@ -10,27 +10,27 @@ guard around :class:`~colabkit.trainer.Trainer` steps; :func:`measure` returns o
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .data import TextData
 from .determinism import deterministic as deterministic_mode, seed_all
-from .checkpoints import load_trainer, require_folder, save_trainer
-from .logs import make_loggers
-from .memory import MemoryTracker, fmt_bytes
+from .alerts import HOST_LIMIT_BYTES, MemoryAlerts
+from .callbacks import LivePlotFeed, Run, as_callback
+from .checkpoints import CHECKPOINT_MINUTES, Checkpointing, load_trainer, require_folder, save_trainer
+from .logs import Logging
+from .memory import MemoryTracker
 from .models import PRESETS, count_params
-from .oom import free_after_oom, is_oom, oom_guard, suggest_plan
+from .oom import OOMHandling
+from .progress import ProgressBar
 from .plan import Plan, PlanError
 from .trainer import ModelFn, Trainer, _device, load_model, weights_sha256
 
 __all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "check_run", "check_sizes", "check_device",
            "check_context", "Trainer", "load_model", "weights_sha256"]
 
-CHECKPOINT_MINUTES = 10.0  # with only a checkpoint folder: a checkpoint every 10 min of wall time (Colab disconnects)
 _clock = time.monotonic  # the wall clock the checkpoint cadence reads (a test advances it)
 
 
@@ -133,73 +133,6 @@ def _check_model(model: torch.nn.Module, seq: int) -> None:
                          f"or build the model for it (e.g. build_model(name, seq={seq}))")
 
 
-def _alerts(tracker: MemoryTracker, sent: set, name: str | None, batch: int, seq: int, gpu: str | None,
-            host_limit: int) -> None:
-    """Warn once when the peak nears the budget (the tracker's alert) or host RAM nears ``host_limit``,
-    with the planner's cheapest plan that fits (through the hook :mod:`colabkit.oom` holds)."""
-    for kind, hit in (("device", bool(tracker.alerts)),
-                      ("host", (tracker.timeline[-1].get("host_rss") or 0) > 0.9 * host_limit if tracker.timeline else False)):
-        if not hit or kind in sent:
-            continue
-        sent.add(kind)
-        what = (f"peak memory is past {tracker.alert_at or 0.9:.0%} of the budget ({fmt_bytes(tracker.budget_bytes)})"
-                if kind == "device" else f"host RAM use is past 90% of {fmt_bytes(host_limit)} (Colab's limit)")
-        try:
-            s = suggest_plan(name, batch, seq, gpu=gpu, budget_bytes=tracker.budget_bytes)
-            tip = (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
-                   f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
-        except Exception as e:  # noqa: BLE001  (an alert must never stop training)
-            tip = f"no plan suggestion ({type(e).__name__}: {e})"
-        warnings.warn(f"colabkit: {what}; {tip}", ResourceWarning, stacklevel=3)
-
-
-def _step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, on_oom: str, shrinks: list[dict]) -> float:
-    """One optimizer step; with ``on_oom="shrink"`` an out-of-memory frees the failed step, halves the
-    micro-batch (doubling the accumulation: same effective batch, same normalisation by the window's
-    tokens) and retries the same data from the same RNG state. Other errors pass untouched."""
-    batch = x.shape[0]
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    while True:
-        try:
-            return trainer.step(x, y)
-        except (torch.OutOfMemoryError, RuntimeError) as err:
-            k = trainer.accum
-            if on_oom != "shrink" or not is_oom(err) or batch % (2 * k):
-                raise
-            free_after_oom(trainer, err)
-            del err
-            trainer.accum = 2 * k
-            torch.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state_all(rng[1])
-            shrinks.append({"step": trainer.step_count, "micro_batch": batch // k, "to_micro_batch": batch // (2 * k),
-                            "accum": 2 * k})
-            print(f"colabkit: out of memory at step {trainer.step_count} with micro-batch {batch // k}; "
-                  f"retrying with micro-batch {batch // (2 * k)} x accum {2 * k} (effective batch {batch})")
-
-
-def _say_resumed(trainer: Trainer, path: str | None, directory: str, steps: int) -> bool:
-    """Say what ``resume`` found: a checkpoint to continue, a finished run (True), or nothing (a fresh
-    start); a checkpoint past ``steps`` is an error."""
-    if path is None:
-        print(f"colabkit: nothing to resume in {directory} ("
-              + ("no valid checkpoint" if os.path.isdir(directory) else "the folder does not exist yet")
-              + "): starting a fresh run")
-        return False
-    n, name = trainer.step_count, os.path.basename(path)
-    if n > steps:
-        raise ValueError(f"steps={steps} is below the newest checkpoint in {directory} ({name}, step {n}): to continue "
-                         f"that run ask for more than {n} steps; for a new run use another checkpoint folder")
-    if n < steps:
-        print(f"colabkit: resumed from step {n} ({name} in {directory})")
-        return False
-    loss = getattr(trainer, "checkpoint_loss", None)
-    print(f"colabkit: the run in {directory} is complete: step {n} of {steps}, final loss "
-          f"{'(not recorded)' if loss is None else f'{loss:.4f}'}, weights sha256 {weights_sha256(trainer.model)[:16]}; "
-          "nothing to train (ask for more steps to continue it)")
-    return True
-
-
 def _simulated(trainer: Trainer) -> bool:
     """True when offload ran simulated (host side and compute side both on the CPU)."""
     return bool(trainer.ctx.offload_sim and not trainer.ctx.cuda and "offload" in trainer.plan)
@@ -220,52 +153,36 @@ def register_auto(fn: Callable[..., dict[str, Any]] | None) -> None:
     _AUTO = fn
 
 
-def train(
-    model: torch.nn.Module | str,
-    data: TextData | None = None,
-    plan: Plan | str = "baseline",
-    steps: int = 100,
-    batch: int = 8,
-    seq: int = 128,
-    seed: int = 0,
-    device: str | torch.device | None = None,
-    lr: float = 3e-4,
-    max_grad_norm: float | None = None,
-    track: bool = True,
-    live_plot: Any = None,
-    callbacks: Iterable[Callable[[dict], Any]] = (),
-    checkpoint_dir: str | None = None,
-    checkpoint_every: int = 0,
-    checkpoint_minutes: float | None = None,
-    resume: bool | str = False,
-    progress: bool = True,
-    eval_every: int = 0,
-    keep: int = 3,
-    on_oom: str = "stop",
-    budget_bytes: int | None = None,
-    host_limit_bytes: int = int(12.7e9),
-    log: str | Iterable[str] | None = None,
-    log_dir: str | None = None,
-    offload_sim: bool = False,
-    deterministic: bool = False,
-) -> dict[str, Any]:
+def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan | str = "baseline", steps: int = 100,
+          batch: int = 8, seq: int = 128, seed: int = 0, device: str | torch.device | None = None, lr: float = 3e-4,
+          max_grad_norm: float | None = None, track: bool = True, live_plot: Any = None,
+          callbacks: Iterable[Any] = (), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+          checkpoint_minutes: float | None = None, resume: bool | str = False, progress: bool = True,
+          eval_every: int = 0, keep: int = 3, on_oom: str = "stop", budget_bytes: int | None = None,
+          host_limit_bytes: int = HOST_LIMIT_BYTES, log: str | Iterable[str] | None = None, log_dir: str | None = None,
+          offload_sim: bool = False, deterministic: bool = False, checkpointing: Checkpointing | None = None,
+          ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
 
-    ``live_plot`` (a :class:`colabkit.plots.LivePlot`) is redrawn from the tracker's samples;
-    callbacks get ``{"step", "loss", "step_time_s", "trainer"}`` after each step. With
+    The loop fires events (run start, step start/end, evaluation, save, out of memory, run end; see
+    :mod:`colabkit.callbacks`) to one object per concern, and to a user's own objects in ``callbacks``
+    (``on_train_begin``, ``on_step_end``, ... as in ``transformers.TrainerCallback``); a plain function there
+    gets ``{"step", "loss", "step_time_s", "trainer"}`` after each step. ``live_plot`` (a
+    :class:`colabkit.plots.LivePlot`) is redrawn from the tracker's samples.
+
+    Checkpoints (:class:`colabkit.checkpoints.Checkpointing`, or its settings one by one): with
     ``checkpoint_dir`` a checkpoint is written every ``checkpoint_every`` steps and/or every
     ``checkpoint_minutes`` of wall time (with neither: every 10 minutes), and at the end; the last
-    ``keep`` stay (:mod:`colabkit.checkpoints`). ``resume=True`` (or ``"auto"``) continues from the
-    newest valid one when there is one and starts fresh otherwise, saying which; ``resume="must"``
-    raises when there is none. The same batches follow. A run already at ``steps`` says it is complete
-    (``"complete": True``, its final loss and weights hash) and trains nothing; a checkpoint past
-    ``steps`` is an error.
+    ``keep`` stay. ``resume=True`` (or ``"auto"``) continues from the newest valid one when there is one
+    and starts fresh otherwise, saying which; ``resume="must"`` raises when there is none. The same
+    batches follow. A run already at ``steps`` says it is complete (``"complete": True``, its final loss
+    and weights hash) and trains nothing; a checkpoint past ``steps`` is an error.
     ``on_oom="shrink"`` halves the micro-batch on an out-of-memory and retries (same effective batch);
-    ``"stop"`` writes a checkpoint and the post-mortem. A warning names the planner's cheapest plan
-    once the peak nears ``budget_bytes`` or host RAM nears ``host_limit_bytes`` (Colab's 12.7 GB).
-    ``log`` (``"tensorboard"``, ``"wandb"``, ``"csv"`` or a list) writes loss, step time and memory by
-    category per step under ``log_dir`` (default ``runs/colabkit``; see :mod:`colabkit.logs`).
+    ``"stop"`` writes a checkpoint and the post-mortem (:class:`colabkit.oom.OOMHandling`). A warning names
+    the planner's cheapest plan once the peak nears ``budget_bytes`` or host RAM nears ``host_limit_bytes``
+    (Colab's 12.7 GB). ``log`` (``"tensorboard"``, ``"wandb"``, ``"csv"`` or a list) writes loss, step time
+    and memory by category per step under ``log_dir`` (default ``runs/colabkit``; see :mod:`colabkit.logs`).
     ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side (the result says
     ``"simulated": True``).
 
@@ -279,115 +196,100 @@ def train(
     (2, 2)
     """
     if isinstance(plan, str) and plan.strip() == "auto":  # the fastest plan predicted to fit (colabkit.estimate.auto)
-        if _AUTO is None:
-            raise PlanError("plan='auto' needs the planner: import colabkit (colabkit.estimate registers it)")
-        kw = {k: v for k, v in locals().items() if k not in ("model", "plan", "kw")}
-        return _AUTO(model, **kw)
+        return _train_auto(model, {k: v for k, v in locals().items() if k not in ("model", "plan")})
     plan = Plan.parse(plan)
-    check_run(batch, seq, steps, plan, on_oom, checkpoint_every, resume, checkpoint_dir, checkpoint_minutes)
+    ck = _checkpointing(checkpointing, checkpoint_dir, checkpoint_every, checkpoint_minutes, keep, resume)
+    check_run(batch, seq, steps, plan, on_oom, ck.every, ck.resume, ck.dir, ck.minutes)
     check_device(device)
     if isinstance(model, str):
         check_context(model, seq)
     dev = _device(device)
     data = data or TextData()
     seed_all(seed)
-    name = model if isinstance(model, str) else None
-    on_sample = live_plot.update if live_plot is not None else None
-    tracker = MemoryTracker(device=dev, on_sample=on_sample, categories=track,
-                            budget_bytes=budget_bytes) if (track or live_plot) else None
-    ctx = tracker if tracker is not None else contextlib.nullcontext()
-    losses, times, evals, shrinks, resumed, sent, complete = [], [], [], [], None, set(), False
-    minutes = checkpoint_minutes if checkpoint_minutes is not None or checkpoint_every else CHECKPOINT_MINUTES
-    run = {"batch": batch, "seq": seq, "seed": seed}  # a resumed run must see the same data
-    gpu = "t4" if dev.type == "cuda" else None
-    with deterministic_mode(deterministic), ctx:
-        if isinstance(model, str):
-            model = load_model(model, plan, seq=seq, device=dev)
-        _check_model(model, seq)
-        trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=name, tracker=tracker,
-                          offload_sim=offload_sim)
-        if resume and checkpoint_dir:
-            resumed = load_trainer(trainer, checkpoint_dir, run=run, required=resume == "must")
-            complete = _say_resumed(trainer, resumed, checkpoint_dir, steps)
-        if checkpoint_dir and not complete:
-            when = ([f"every {checkpoint_every} steps"] if checkpoint_every else []) + \
-                ([f"every {minutes:g} min of wall time"] if minutes else []) + [f"at the end (the newest {keep} kept)"]
-            print(f"colabkit: checkpoints to {checkpoint_dir}: {' and '.join(when)}")
-        saved_at, saved_time = trainer.step_count, _clock()
-        # loggers once the plan is accepted (a refused plan leaves no empty log files); a resumed run
-        # continues its CSV from the checkpoint's step
-        loggers = make_loggers(log, log_dir or os.path.join("runs", "colabkit"),
-                               resume_step=trainer.step_count if resumed else None) if log else []
-        if loggers:
-            print(f"colabkit: logging {', '.join(type(lg).__name__[:-6].lower() for lg in loggers)} to "
-                  f"{loggers[0].path if os.path.isdir(loggers[0].path) else os.path.dirname(loggers[0].path)}")
-        callbacks = [*callbacks, *loggers]
-        bar = range(trainer.step_count, steps)
-        if progress:
-            try:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(bar, desc=f"train {trainer.plan}", initial=trainer.step_count, total=steps)
-            except ImportError:
-                pass
-        try:
-            for step in bar:
+    run = Run(steps, batch, seq, seed, dev, model if isinstance(model, str) else None)
+    run.callbacks = [OOMHandling(on_oom), MemoryAlerts(host_limit_bytes), *([ProgressBar()] if progress else []),
+                     *([LivePlotFeed(live_plot)] if live_plot is not None else []), *map(as_callback, callbacks),
+                     *([Logging(log, log_dir)] if log else []), *([ck] if ck.dir else [])]
+    run.tracker = MemoryTracker(device=dev, on_sample=run.on_sample, categories=track,
+                                budget_bytes=budget_bytes) if (track or live_plot) else None
+    try:
+        with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
+            model = load_model(model, plan, seq=seq, device=dev) if isinstance(model, str) else model
+            _check_model(model, seq)
+            run.trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
+                                  tracker=run.tracker, offload_sim=offload_sim)
+            run.fire("on_init_end")
+            run.fire("on_train_begin")
+            for step in range(run.step, steps):
+                run.fire("on_step_begin", step + 1)
                 x, y = data.batch(batch, seq, step=step, seed=seed, device=dev)
-                if tracker is not None:
-                    tracker.set_step(step)
+                if run.tracker is not None:
+                    run.tracker.set_step(step)
                 _sync(dev)
                 t0 = time.perf_counter()
-                try:
-                    # an OOM that shrinking cannot fix: freed, snapshot saved, categories shown, a plan that
-                    # fits suggested (colabkit.oom); with checkpoints, the state before the step is saved
-                    with oom_guard(tracker, model=name, batch=batch, seq=seq, plan=str(trainer.plan), trainer=trainer,
-                                   gpu=gpu) if tracker is not None else contextlib.nullcontext():
-                        loss = _step(trainer, x, y, on_oom, shrinks)
-                except (torch.OutOfMemoryError, RuntimeError) as e:
-                    if checkpoint_dir and is_oom(e):
-                        print(f"colabkit: out of memory; state before step {trainer.step_count + 1} saved to "
-                              f"{save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=losses[-1] if losses else None)}")
-                    raise
+                loss = _step(run.trainer, (x, y), run)
                 _sync(dev)
-                dt = time.perf_counter() - t0
-                losses.append(loss)
-                times.append(dt)
-                if tracker is not None:
-                    _alerts(tracker, sent, name, batch, seq, gpu, host_limit_bytes)
-                if progress and hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{loss:.3f}")
+                run.losses.append(loss)
+                run.step_times.append(time.perf_counter() - t0)
+                run.fire("on_step_end", {"step": step + 1, "loss": loss, "step_time_s": run.step_times[-1],
+                                         "trainer": run.trainer})
                 if eval_every and (step + 1) % eval_every == 0:
                     ex, ey = data.batch(batch, seq, step=10**9 + step, seed=seed, device=dev)
-                    evals.append((step + 1, trainer.evaluate(ex, ey)))
-                for cb in callbacks:
-                    cb({"step": step + 1, "loss": loss, "step_time_s": dt, "trainer": trainer})
-                if checkpoint_dir and ((checkpoint_every and (step + 1) % checkpoint_every == 0)
-                                       or (minutes and _clock() - saved_time >= 60 * minutes)):
-                    save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=loss)
-                    saved_at, saved_time = trainer.step_count, _clock()
-        finally:  # the run's logs are complete (and a W&B run ended) even when a step raises
-            for lg in loggers:
-                lg.close()
-    if checkpoint_dir and trainer.step_count != saved_at:
-        save_checkpoint(trainer, checkpoint_dir, keep=keep, run=run, loss=losses[-1])
+                    run.evals.append((step + 1, run.trainer.evaluate(ex, ey)))
+                    run.fire("on_evaluate", *run.evals[-1])
+    except BaseException as e:
+        run.error = e
+        raise
+    finally:  # the logs are complete (a W&B run ended) even when a step raised; a run that ends well is saved
+        if run.trainer is not None:
+            run.fire("on_train_end")
+    return _result(run)
+
+
+def _step(trainer: Trainer, batch: Any, run: Run) -> float:
+    """One optimizer step under the run's OOM handling (:class:`colabkit.oom.OOMHandling`)."""
+    handling = next(cb for cb in run.callbacks if isinstance(cb, OOMHandling))
+    return handling.step(trainer, batch, run)
+
+
+def _checkpointing(given: Checkpointing | None, directory: str | None, every: int, minutes: float | None, keep: int,
+                   resume: bool | str) -> Checkpointing:
+    """``train``'s checkpoint settings as one object: ``checkpointing=`` or the keyword arguments, not both."""
+    if given is None:
+        return Checkpointing(directory, every, minutes, keep, resume, clock=_clock)
+    if (directory, every, minutes, keep, resume) != (None, 0, None, 3, False):
+        raise ValueError("pass checkpointing=Checkpointing(...) or checkpoint_dir/checkpoint_every/checkpoint_minutes/"
+                         "keep/resume, not both")
+    return given
+
+
+def _result(run: Run) -> dict[str, Any]:
+    """What ``train`` returns: the run's curves, its memory report and the final weights' hash."""
+    trainer, tracker = run.trainer, run.tracker
     return {
         "plan": str(trainer.plan),
         "step": trainer.step_count,
-        "loss": losses[-1] if losses else getattr(trainer, "checkpoint_loss", None) if resumed else None,
-        "complete": complete,
-        "losses": losses,
-        "evals": evals,
-        "step_times": times,
+        "loss": run.losses[-1] if run.losses else getattr(trainer, "checkpoint_loss", None) if run.resumed_from else None,
+        "complete": run.complete,
+        "losses": run.losses,
+        "evals": run.evals,
+        "step_times": run.step_times,
         "accum": trainer.accum,
-        "micro_batch": batch // trainer.accum,
-        "oom_shrinks": shrinks,
-        "resumed_from": resumed,
+        "micro_batch": run.batch // trainer.accum,
+        "oom_shrinks": run.oom_shrinks,
+        "resumed_from": run.resumed_from,
         "report": tracker.report() if tracker is not None else None,
         "timeline": tracker.timeline if tracker is not None else [],
         "weights_sha256": weights_sha256(trainer.model),
         "simulated": _simulated(trainer),
         "trainer": trainer,
     }
+
+
+def _train_auto(model: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    if _AUTO is None:
+        raise PlanError("plan='auto' needs the planner: import colabkit (colabkit.estimate registers it)")
+    return _AUTO(model, **kw)
 
 
 def measure(

@@ -204,7 +204,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng_cpu"])
         if state.get("rng_cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+            torch.cuda.set_rng_state_all(state["rng_cuda"][:torch.cuda.device_count()])  # 2xT4 state, one T4
         self.step_count = state["step"]
 
 

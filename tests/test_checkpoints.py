@@ -510,3 +510,40 @@ def test_sharded_checkpoint_metadata_runs_nothing(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="refused for safety"):
         load_sharded(SimpleNamespace(plan="zero:3"), str(tmp_path / "evil"))
     assert not (tmp_path / "evil-ran").exists()
+
+
+# ----- issue 34 item 9: a checkpoint of a 2xT4 run resumed on one T4 ------------------------------------------
+def _one_gpu(monkeypatch):
+    """torch.cuda as one GPU sees it: ``set_rng_state_all`` sets device i's state for the i-th entry, as
+    torch's does, so an entry past the last device fails (the error a 2xT4 state gives on one T4)."""
+    restored = {}
+
+    def set_rng_state_all(states):
+        for i, s in enumerate(states):
+            if i >= torch.cuda.device_count():
+                raise RuntimeError(f"CUDA error: invalid device ordinal {i}")
+            restored[i] = s
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    return restored
+
+
+def test_two_gpu_rng_state_restores_on_one_gpu(monkeypatch):
+    from colabkit.checkpoints import rng_state, set_rng_state
+    from colabkit.models import build_model
+    from colabkit.trainer import Trainer
+
+    trainer = Trainer(build_model("gpt-tiny"), "baseline", device="cpu")
+    state = {**trainer.state_dict(), "rng_cuda": [torch.full((16,), 1, dtype=torch.uint8),
+                                                  torch.full((16,), 2, dtype=torch.uint8)]}
+    saved = {**rng_state(), "cuda": state["rng_cuda"]}
+    restored = _one_gpu(monkeypatch)
+    with pytest.raises(RuntimeError, match="invalid device ordinal 1"):  # negative control: the stand-in refuses
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    restored.clear()
+    trainer.load_state_dict(state)  # Trainer's own state (trainer.py): failed before the slice
+    assert list(restored) == [0] and torch.equal(restored[0], state["rng_cuda"][0])
+    restored.clear()
+    set_rng_state(saved)  # a checkpoint's (checkpoints.py)
+    assert list(restored) == [0] and torch.equal(restored[0], state["rng_cuda"][0])
