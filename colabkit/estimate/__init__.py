@@ -4,6 +4,8 @@ The package, file by file:
 
 - :mod:`.trace`    — the real Trainer's steps traced on fake tensors under the tracker; substitutes
   for what cannot run on fake tensors (bitsandbytes kernels), listed in ``notes``;
+- :mod:`.as_gpu`   — what a GPU profile changes in a trace (offload/attention tokens split off, its checks);
+- :mod:`.inputs`   — a batch described by shapes (``inputs=``), what a trace feeds the Trainer;
 - :mod:`.replay`   — the optimizer step in a trace replayed from profiles of the real step (same storages);
   traces cached per process, deep GPTs from 2- and 3-layer traces, one forward/backward per plan shared by
   every optimizer (``trace.with_optimizer``; ``trace.full_trace()``: the reference);
@@ -27,7 +29,8 @@ from __future__ import annotations
 from .formulas import analytic
 from .planner import COST, candidate_plans, gpt2_shape, largest, pareto, plans, step_time, suggest, _fast_estimate
 from .predict import estimate, from_config, plan_of_arguments
-from .trace import CUDA_ALLOC_ROUND, check_as_gpu, trace
+from .as_gpu import check_as_gpu
+from .trace import CUDA_ALLOC_ROUND, trace
 from .calibrate import calibrate
 from .cli import _table, register_cli
 from .auto import choose as choose_plan, train_auto

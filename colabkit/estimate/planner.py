@@ -17,7 +17,8 @@ from ..models import GPT2_VOCAB, GPTConfig, gpt_config
 from ..oom import register_suggester
 from ..plan import REGISTRY, Context, Plan, PlanError
 from .predict import estimate
-from .trace import _as_t4, check_as_gpu, gpt_builder
+from .as_gpu import _as_t4, check_as_gpu
+from .trace import gpt_builder
 
 GiB = 1024**3
 

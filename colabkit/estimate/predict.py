@@ -30,8 +30,9 @@ from .formulas import _host_split, analytic
 from .zero import for_rank, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
-from .trace import (CUDA_ALLOC_ROUND, _as_t4, _profile, _split_gpu_tokens, batch_shape, block_grads_to_host,
-                    check_as_gpu, described, trace_with_substitutes)
+from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
+from .inputs import batch_shape, described
+from .trace import CUDA_ALLOC_ROUND, block_grads_to_host, trace_with_substitutes
 
 
 def from_config(config: Any) -> Callable[[], torch.nn.Module]:

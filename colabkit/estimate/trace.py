@@ -18,11 +18,10 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..env import GPU_PROFILES, env as _env_report, t4_rules
+from ..env import env as _env_report
 from ..memory import MemoryTracker, fmt_bytes, host_side, is_host
 from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError, param_groups
@@ -31,14 +30,14 @@ from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
 from . import replay as _replay
+from .as_gpu import _attention_as, check_as_gpu  # noqa: F401 (check_as_gpu: its old home, re-exported)
 from .counting import affine as counting_affine, compute_plan, counting
+from .inputs import fake_batch
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
 CUDA_ALLOC_ROUND = 512
 _env = importlib.import_module("..env", __package__)  # the module: the package exports a function named env
-# Tokens whose effect is a GPU/host split: traced without them on the CPU, applied analytically.
-_OFFLOAD = "offload"
 # Optimizers whose kernels read tensor data (bitsandbytes): they cannot run on fake tensors, so the trace runs
 # a stateless SGD in their place and adds their state from its formula -- without importing bitsandbytes.
 NO_FAKE_OPTIMIZERS = ("adamw8bit", "paged-adamw8bit", "lion", "lion8bit")
@@ -121,37 +120,6 @@ class _HostScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _profile(gpu: str | None, device: str | None) -> dict[str, Any] | None:
-    if device == "cpu" or gpu is None:
-        return None
-    if gpu.lower() not in GPU_PROFILES:
-        raise ValueError(f"unknown GPU profile {gpu!r}: use one of {', '.join(GPU_PROFILES)}, or device='cpu'")
-    return GPU_PROFILES[gpu.lower()]
-
-
-def _as_t4(profile: dict | None):
-    """While checking a plan for a GPU profile, answer capability questions as that GPU would."""
-    return t4_rules(profile is not None and not profile["native_bf16"])
-
-
-def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset]:
-    """On a GPU profile, the plan traced on the CPU: offload tokens removed (applied analytically),
-    ``paged-`` optimizers traced unpaged (same state; paging acts only under pressure), ``offload:params``
-    traced with ``checkpoint`` (it recomputes every block in backward from the block's input), and an
-    attention backend token removed (the CPU's fused SDPA kernel, like T4's efficient one, keeps no S x S)."""
-    offload = frozenset(plan.get(_OFFLOAD) or ())
-    if profile is None:
-        return plan, frozenset()
-    keep = []
-    for tok in plan.tokens:
-        if tok.startswith("offload:") or tok in ("attention:efficient", "attention:flash"):
-            continue
-        keep.append(tok[len("paged-"):] if tok.startswith("paged-") else tok)
-    if "params" in offload:  # a streamed block is recomputed in backward: its activations are checkpoint's
-        keep.append("checkpoint")
-    return Plan.parse(keep or "baseline"), offload
-
-
 @contextlib.contextmanager
 def _swap_by_data():
     """``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``, which refuses tensors that
@@ -174,55 +142,6 @@ def _swap_by_data():
         tu.swap_tensors = real
 
 
-def check_as_gpu(plan: Plan) -> None:
-    """Run every technique's check with a CUDA context (under T4 emulation flags), so conflicts that
-    only exist on a GPU (offload rules, bf16 on a T4) are refused as the real run would refuse them.
-    A check that needs a real GPU to answer (it queries the device) is skipped: the trace checks again."""
-    ctx = Context(device=torch.device("cuda"), env={**_env_report(), "device": "cuda", "gpu": "Tesla T4",
-                                                   "capability": [7, 5], "bf16_native": False})
-    for t in plan.techniques():
-        if t.check is None:
-            continue
-        try:
-            t.check(plan, ctx)
-        except PlanError:
-            raise
-        except (RuntimeError, AssertionError, AttributeError):  # no GPU here to query
-            pass
-
-
-@contextlib.contextmanager
-def _attention_as(profile: dict | None, plan: Plan, notes: list[str]):
-    """On a GPU profile, SDPA keeps what that GPU's kernel keeps. A T4 runs the memory-efficient kernel,
-    dropout included (it stores the RNG seed, not a mask): output + log-sum-exp, no S x S matrix. The CPU
-    falls back to the math kernel whenever dropout > 0 and keeps the S x S probabilities and mask, so the
-    trace calls the CPU's fused kernel (same memory as the GPU's efficient one) with dropout 0.
-    ``attention:math`` is traced as math, as the GPU would run it."""
-    if profile is None or plan.get("attention") == "math":
-        if profile is not None:
-            notes.append("attention: math kernel (forced by attention:math): S x S scores and probabilities kept")
-        yield
-        return
-    real = F.scaled_dot_product_attention
-    seen: list[float] = []
-
-    def sdpa(*args, **kwargs):
-        seen.append(float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) or 0.0))
-        kwargs["dropout_p"] = 0.0
-        return real(*args[:4], **kwargs)
-
-    F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
-        if seen:
-            kernel = "flash" if "flash" in profile.get("sdpa", ()) and plan.get("attention") == "flash" else "memory-efficient"
-            notes.append(f"attention: the {profile['name']}'s {kernel} kernel, traced as such"
-                         + (f" (dropout {max(seen):g} included; a CPU would fall back to the math kernel and keep "
-                            "S x S matrices)" if max(seen) > 0 else ""))
-
-
 def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.Module:
     if isinstance(model_fn, str) and model_fn.startswith("hf:"):
         model = hf_from_config(model_fn[3:], seq)  # shapes only: a shipped or cached config, never weights
@@ -230,45 +149,6 @@ def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.
         model = build_model(model_fn, seq=seq) if isinstance(model_fn, str) else model_fn()
     model._colabkit_placed = True  # built where it runs: .to() would try to swap fake parameters
     return model
-
-
-def described(key: str, v: Any) -> tuple[tuple[int, ...], torch.dtype]:
-    """(shape, dtype) of one batch entry described by a sample tensor or a ``(shape, dtype)`` pair."""
-    if isinstance(v, torch.Tensor):
-        return tuple(v.shape), v.dtype
-    if isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[1], torch.dtype):
-        return tuple(v[0]), v[1]
-    raise PlanError(f"inputs[{key!r}] = {v!r}: describe each batch entry by a sample tensor or a (shape, dtype) "
-                    "pair, e.g. {'input_ids': ((8, 512), torch.long)}")
-
-
-def fake_batch(inputs: dict[str, Any] | None, batch: int, seq: int) -> Any:
-    """The batch a trace feeds (under ``FakeTensorMode``: shapes, no values). ``inputs`` describes your
-    batch: each key a sample tensor or a ``(shape, dtype)`` pair (``{"input_ids": ((8, 512), torch.long),
-    "labels": ...}``), given to the Trainer as a batch dict; None: ``(x, y)`` token ids of shape (B, S).
-    Values never matter here, so any vocabulary size works.
-
-    >>> b = fake_batch({"pixel_values": ((2, 3, 8, 8), torch.float32), "labels": torch.tensor([1, 0])}, 0, 0)
-    >>> {k: (tuple(v.shape), v.dtype) for k, v in b.items()}
-    {'pixel_values': ((2, 3, 8, 8), torch.float32), 'labels': ((2,), torch.int64)}
-    """
-    if inputs is None:
-        x = torch.zeros(batch, seq, dtype=torch.long)  # (B, S) ids
-        return x, x
-    return {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in ((k, described(k, v)) for k, v in inputs.items())}
-
-
-def batch_shape(inputs: dict[str, Any]) -> tuple[int, int]:
-    """(batch, seq) of a batch description: the first two dimensions of its first entry (seq 1 if none).
-
-    >>> batch_shape({"input_ids": ((8, 512), torch.long)})
-    (8, 512)
-    """
-    shapes = [described(k, v)[0] for k, v in inputs.items()]
-    if not shapes or not shapes[0]:
-        raise PlanError("inputs: describe at least one batch entry with a batch dimension, e.g. "
-                        "{'input_ids': ((8, 512), torch.long)}")
-    return shapes[0][0], shapes[0][1] if len(shapes[0]) > 1 else 1
 
 
 def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch: int, seq: int, steps: int = 2,
