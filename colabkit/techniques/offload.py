@@ -52,6 +52,7 @@ from ..memory import fmt_bytes, host_side, mark_host, optimizer_tensors
 from ..models import blocks_of
 from ..plan import REGISTRY, Context, Plan, PlanError, Technique, register
 from ._wrapper import WrappedOptimizer
+from .checkpoint import recompute_context
 from .optimizers import state_bytes_per_param
 
 KINDS = ("optimizer", "activations", "params")
@@ -911,6 +912,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         dev = pair.compute.type  # the recompute in backward must see the same autocast as this forward
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        ctx.replay = recompute_context()  # and the forward's other contexts (attention:* backend)
         return tuple(o for o in flat if isinstance(o, torch.Tensor))
 
     @staticmethod
@@ -921,7 +923,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         for n in names:
             w[n].requires_grad_(True)
         dev, dtype, enabled = ctx.autocast
-        with torch.enable_grad(), call.streamer.pair.replay_rng(ctx.rng), torch.autocast(dev, dtype=dtype, enabled=enabled):
+        with torch.enable_grad(), call.streamer.pair.replay_rng(ctx.rng), torch.autocast(dev, dtype=dtype, enabled=enabled), ctx.replay:
             xs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, needs)]
             outs = [o for o in call(w, xs) if isinstance(o, torch.Tensor)]
         used = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
