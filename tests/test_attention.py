@@ -107,3 +107,57 @@ def test_t4_emulation_refuses_flash_recommends_efficient():
         Trainer(build_model("gpt-tiny"), "attention:efficient", device="cuda")
     finally:
         emulate_t4(False)
+
+
+# ----- the backend inside recomputation (checkpoint, offload:params' streamed blocks) --------------
+def _losses(plan, steps=2, **kw):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt-tiny"), plan, device="cpu", **kw)
+    return [t.step(*TextData().batch(2, 32, step=s)) for s in range(steps)]
+
+
+def _spy_backends(monkeypatch):
+    """Record, at each SDPA call, whether the forced backend's flags hold (only math enabled)."""
+    import torch.nn.functional as F
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append(torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled())
+        return real(*a, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_checkpoint_recomputes_under_the_same_backend(monkeypatch):
+    # before the recompute context: the recompute ran torch's default CPU kernel -> CheckpointError
+    ref = _losses("attention:math")
+    seen = _spy_backends(monkeypatch)
+    got = _losses("attention:math+checkpoint")
+    for a, b in zip(ref, got):
+        assert abs(a - b) / a < 1e-5
+    n_layer = build_model("gpt-tiny").config.n_layer
+    assert len(seen) == 2 * 2 * n_layer and all(seen), seen  # forward + recompute per block, each under math
+    seen.clear()  # negative control: the checkpoint alone recomputes under torch's default flags
+    _losses("checkpoint", steps=1)
+    assert len(seen) == 2 * n_layer and all(seen) is False and not any(seen)
+
+
+def test_streamed_blocks_recompute_under_the_same_backend(monkeypatch):
+    ref = _losses("attention:math", offload_sim=True)
+    seen = _spy_backends(monkeypatch)
+    got = _losses("attention:math+offload:params", offload_sim=True)
+    for a, b in zip(ref, got):
+        assert abs(a - b) / a < 1e-5
+    assert len(seen) >= 4 and all(seen), seen
+    seen.clear()  # negative control: streamed blocks without the token recompute under the default flags
+    _losses("offload:params", steps=1, offload_sim=True)
+    assert seen and not any(seen)
+
+
+def test_recompute_context_negative_control(monkeypatch):
+    # without the recompute context the checkpointed recompute leaves math (the bug this guards)
+    from colabkit.techniques import checkpoint as ck
+    import contextlib
+    monkeypatch.setattr(ck, "_context_fn", lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        _losses("attention:math+checkpoint", steps=1)

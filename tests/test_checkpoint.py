@@ -113,3 +113,25 @@ def test_hf_model_uses_its_own_checkpointing_and_matches_plain(plan, flags):
     torch.testing.assert_close(out_c, out_p, rtol=1e-5, atol=1e-5)
     for name in g_p:
         torch.testing.assert_close(g_c[name], g_p[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_hf_checkpointing_recomputes_under_the_attention_backend(monkeypatch):
+    # HF's own checkpointing gets colabkit's recompute context: attention:math holds in the recompute too
+    import torch.nn.functional as F
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append(torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled())
+        return real(*a, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    losses = {}
+    for plan in ("attention:math", "attention:math+checkpoint"):
+        seen.clear()
+        trainer = Trainer(_tiny_hf(), plan, device="cpu")
+        x = torch.randint(0, 256, (2, 16))
+        losses[plan] = trainer.step({"input_ids": x, "labels": x})
+    assert len(seen) == 8 and all(seen), seen  # 4 layers, forward + recompute, each under math
+    assert abs(losses["attention:math"] - losses["attention:math+checkpoint"]) < 1e-5 * losses["attention:math"]
+    seen.clear()  # negative control: checkpoint alone recomputes under torch's default flags
+    Trainer(_tiny_hf(), "checkpoint", device="cpu").step({"input_ids": x, "labels": x})
+    assert len(seen) == 8 and not any(seen)

@@ -379,6 +379,30 @@ def test_fp16_adapters_get_loss_scaling(monkeypatch):
     assert unscaled > 2 * scaled, (unscaled, scaled)
 
 
+def test_fp16_plan_with_lora_trains_on_the_cpu():
+    """fp16+lora:R on the CPU (was "mixed dtype (CPU)": a bf16 base under fp16 autocast): the base is
+    stored in fp16, the scaler is on, and the losses follow an fp32 LoRA reference (the same adapters on
+    an fp32 base, plain training) within fp16 rounding; the adapters move (the loss falls)."""
+    x, y = TextData().batch(2, 32, step=0)
+
+    def losses(plan, model):
+        torch.manual_seed(1)
+        t = Trainer(model, plan, device="cpu", lr=1e-2)
+        return t, [t.step(x, y) for _ in range(3)]
+
+    torch.manual_seed(0)
+    t, got = losses("fp16+lora:8", build_model("gpt-tiny"))
+    torch.manual_seed(0)
+    m = build_model("gpt-tiny")
+    torch.manual_seed(0)  # the same adapter init as the plan's (apply_lora draws after the model)
+    _, ref = losses("baseline", apply_lora(m, 8))
+    assert t.scaler.is_enabled()
+    assert {p.dtype for n, p in t.model.named_parameters() if not p.requires_grad} == {torch.float16}
+    assert all(math.isfinite(v) for v in got) and got[-1] < got[0] - 1e-3
+    for a, b in zip(got, ref):
+        assert abs(a - b) / b < 2e-3, (got, ref)
+
+
 def test_fp16_adapters_refuse_fused_step(monkeypatch):
     import colabkit.techniques.lora as L
 

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..env import emulating_t4, sdpa_backends
 from ..memory import MemoryTracker
 from ..plan import Context, Plan, PlanError, Technique, register
+from .checkpoint import recomputed_with
 
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
@@ -83,13 +84,21 @@ def backend_context(backend: str):
     return sdpa_kernel([BACKENDS[backend]])
 
 
+@contextlib.contextmanager
+def _forward_context(backend: str):
+    # the backend for this forward and for every block recomputed from it in backward (checkpoint,
+    # offload:params): the recompute must save the same tensors as the forward did
+    with backend_context(backend), recomputed_with(lambda: backend_context(backend)):
+        yield
+
+
 register(Technique(
     name="attention",
     help="scaled-dot-product-attention backend: math (S² memory), efficient (linear; T4), flash (linear; sm80+)",
     parse=_parse,
     check=_check,
     prepare_model=_prepare,
-    forward_context=lambda plan, ctx: backend_context(plan.get("attention")),
+    forward_context=lambda plan, ctx: _forward_context(plan.get("attention")),
     examples=("attention:math", "attention:efficient", "attention:flash"),
     order=60,
 ))

@@ -18,15 +18,67 @@ transformers, where only ``checkpoint`` without ``:N`` is accepted).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..models import blocks_of
 from ..plan import PlanError, Technique, positive_int, register
+
+
+# ----- the recompute context: what a block recomputed in backward must run under again -----------
+# Factories of the forward contexts a recompute must re-enter (attention:* pushes its SDPA backend):
+# backward runs after the Trainer's forward contexts have exited, so without them a checkpointed or
+# streamed block would be recomputed with torch's default backend (other saved shapes: CheckpointError).
+_RECOMPUTE: contextvars.ContextVar[tuple[Callable[[], ContextManager], ...]] = contextvars.ContextVar(
+    "colabkit_recompute", default=())
+
+
+@contextlib.contextmanager
+def recomputed_with(factory: Callable[[], ContextManager]):
+    """Inside this context, any block recomputed in backward (``checkpoint``, ``offload:params``' streamed
+    blocks, Hugging Face's checkpointing) runs its recompute under a fresh ``factory()`` too.
+
+    >>> with recomputed_with(contextlib.nullcontext):
+    ...     len(recompute_context().factories)
+    1
+    """
+    token = _RECOMPUTE.set(_RECOMPUTE.get() + (factory,))
+    try:
+        yield
+    finally:
+        _RECOMPUTE.reset(token)
+
+
+class recompute_context:  # noqa: N801 (used like a context-manager function)
+    """Captured when the block runs forward; entered around its recompute in backward: every context
+    registered by :func:`recomputed_with` at capture time, entered again (fresh) in the same order.
+
+    >>> with recompute_context():  # nothing registered: changes nothing
+    ...     pass
+    """
+
+    def __init__(self) -> None:
+        self.factories = _RECOMPUTE.get()
+
+    def __enter__(self) -> "recompute_context":
+        self._stack = contextlib.ExitStack()
+        for make in self.factories:
+            self._stack.enter_context(make())
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._stack.__exit__(*exc)
+
+
+def _context_fn() -> tuple[ContextManager, ContextManager]:
+    # torch.utils.checkpoint's context_fn, called at forward time: (forward context, recompute context)
+    return contextlib.nullcontext(), recompute_context()
 
 
 def _is_hf(model: torch.nn.Module) -> bool:
@@ -38,7 +90,7 @@ def _checkpointed_forward(forward, *args: Any, **kwargs: Any) -> Any:
     # saved_tensors_hooks (compress:int8); the RNG state is replayed so dropout masks match.
     if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
         return forward(*args, **kwargs)
-    return _checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return _checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_context_fn, **kwargs)
 
 
 def checkpoint_blocks(model: torch.nn.Module, every: int = 1, count: int | None = None) -> list[int]:
@@ -86,7 +138,7 @@ def saved_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> int:
 
 
 def _hf_checkpoint(model: torch.nn.Module, every: int) -> torch.nn.Module:
-    kwargs = {"use_reentrant": False, "preserve_rng_state": True}
+    kwargs = {"use_reentrant": False, "preserve_rng_state": True, "context_fn": _context_fn}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
         enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)

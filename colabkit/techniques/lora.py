@@ -409,6 +409,8 @@ def _prepare(quantize: bool):
     def prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
         rank, targets = plan.get("qlora" if quantize else "lora")
         dtype = compute_dtype(ctx, quantize)
+        if not ctx.cuda and not quantize and "fp16" in plan:  # CPU autocast keeps layer_norm in its input's dtype:
+            dtype = torch.float16  # a bf16 base under fp16 autocast mixes dtypes there ("mixed dtype (CPU)")
         ctx.loss_scaling = ctx.loss_scaling or dtype == torch.float16  # fp16 gradients underflow unscaled
         if quantize:
             return apply_lora(model, rank, targets, quantize=True, device=ctx.device, compute_dtype=dtype)

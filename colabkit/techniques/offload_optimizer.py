@@ -151,7 +151,10 @@ def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Contex
     cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
                       weight_decay=ctx.weight_decay)
     make = lambda hg: REGISTRY[plan.optimizer].make_optimizer(hg, plan, cpu_ctx)  # noqa: E731
-    plain_groups = [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups]
+    # the groups as the Trainer made them (param_groups: decay or not), not as the optimizer rewrote them
+    # (adafactor rescales weight_decay to its relative lr: rescaled twice, the decay was ~1000x too small)
+    plain_groups = [{"params": g["params"], "weight_decay": ctx.weight_decay if g.get("weight_decay") else 0.0}
+                    for g in groups]
     return HostOptimizer(plain_groups, make, pair)
 
 

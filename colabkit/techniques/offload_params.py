@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..device import DevicePair, pair_of
 from ..models import blocks_of
+from .checkpoint import recompute_context
 from .offload_guard import guard_plan
 
 
@@ -114,6 +115,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         dev = pair.compute.type  # the recompute in backward must see the same autocast as this forward
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        ctx.replay = recompute_context()  # and the forward's other contexts (attention:* backend)
         return tuple(o for o in flat if isinstance(o, torch.Tensor))
 
     @staticmethod
@@ -124,7 +126,7 @@ class _StreamedBlockFn(torch.autograd.Function):
         for n in names:
             w[n].requires_grad_(True)
         dev, dtype, enabled = ctx.autocast
-        with torch.enable_grad(), call.streamer.pair.replay_rng(ctx.rng), torch.autocast(dev, dtype=dtype, enabled=enabled):
+        with torch.enable_grad(), call.streamer.pair.replay_rng(ctx.rng), torch.autocast(dev, dtype=dtype, enabled=enabled), ctx.replay:
             xs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, needs)]
             outs = [o for o in call(w, xs) if isinstance(o, torch.Tensor)]
         used = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
