@@ -203,6 +203,16 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
     model.forward = forward
 
 
+def _mark_adapters(model: torch.nn.Module) -> None:
+    """Flag peft adapters injected into a quantized transformers model as transformers' own
+    ``model.add_adapter`` does (``_hf_peft_config_loaded``; peft already set ``model.peft_config``): a model
+    loaded in 4 bits (``is_quantized``, e.g. :func:`load_hf_4bit`) is otherwise "purely quantized" to
+    ``transformers.Trainer``, which refuses to build. ``save_pretrained`` then writes the adapters only,
+    in peft's format, as for a model given adapters by ``add_adapter``."""
+    if getattr(model, "is_quantized", False) and hasattr(model, "peft_config") and hasattr(model, "active_adapters"):
+        model._hf_peft_config_loaded = True
+
+
 def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.device | None = None,
                   offload_sim: bool = False) -> torch.nn.Module:
     """Apply the plan's model-side tokens to ``model`` (a transformers model, or any ``nn.Module``) and move
@@ -224,6 +234,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     for t in plan.techniques():
         if t.prepare_model is not None and t.name in names and t.name != "offload":
             model = t.prepare_model(model, plan, ctx)
+    if names & {"lora", "qlora"}:
+        _mark_adapters(model)
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")

@@ -308,3 +308,41 @@ def test_the_readme_snippets_run(tmp_path, monkeypatch):
     for code in blocks:
         exec(compile(code, "README.md", "exec"), scope)
     assert math.isfinite(scope["loss"]) and scope["trainer"].state.global_step == 5
+
+
+def _hub_4bit_stand_in(model: nn.Module) -> nn.Module:
+    """What from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True)) leaves on a model (its
+    quantizer's preprocessing sets is_quantized and hf_quantizer), on a CPU model colabkit's qlora quantizes."""
+    import types
+
+    model.is_quantized = True
+    model.hf_quantizer = types.SimpleNamespace(
+        is_trainable=True, is_qat_trainable=False, quantization_config=types.SimpleNamespace(quant_method="bitsandbytes"))
+    return model
+
+
+def test_qlora_on_a_4bit_hub_model_builds_and_trains_in_hf_trainer(tmp_path):
+    """Issue 34 item 2: a 4-bit hub model (is_quantized, hf_quantizer) given adapters by prepare_model('qlora:R')
+    is flagged as transformers' add_adapter flags it, so transformers.Trainer.__init__ (its
+    validate_quantization_for_training) builds and trains the adapters. Negative control: the same adapters
+    injected without prepare_model's flag are refused by transformers as "purely quantized"."""
+    import bitsandbytes as bnb
+
+    from colabkit.techniques.lora import apply_lora
+
+    data = _lm_dataset(8)
+    bare = apply_lora(_hub_4bit_stand_in(llama()), 4, quantize=True, device="cpu")
+    with pytest.raises(ValueError, match="purely quantized"):
+        transformers.Trainer(model=bare, args=_hf_args("qlora:4", tmp_path, max_steps=1), train_dataset=data)
+    torch.manual_seed(0)
+    model = hf.prepare_model(_hub_4bit_stand_in(llama()), "qlora:4", device="cpu")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = transformers.Trainer(model=model, args=_hf_args("qlora:4", tmp_path, max_steps=2), train_dataset=data,
+                                   callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert before and all("lora_" in n for n in before)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_B" in n)
+    assert model._hf_peft_config_loaded and list(model.peft_config) == ["default"]  # as add_adapter leaves it
