@@ -4,7 +4,10 @@ whose outputs break a rule fails with the reason. Rules (issue 23):
 
 - no image twice in one notebook (a chart shown twice: a cell ending in ``show(fig)`` that also
   returned the figure, a live plot redrawn with nothing new);
-- no third-party noise: a "Failed to load" line (torchao's CUDA-only kernels on a CPU build).
+- no third-party noise: a "Failed to load" line (torchao's CUDA-only kernels on a CPU build);
+- no noise of our own (issue 37): an output line that is a raw dict's repr (show a table instead), a
+  figure written as "-0.0" / "-0%" (a change that rounds to zero has no sign), a message printed twice
+  in one cell (say it once).
 
 The static checks (markdown, cell length, public imports) live in ``tests/test_notebook_truth.py``, which
 also tests these functions (negative controls) and this hook's wiring on a tiny notebook.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from typing import Any, Iterable
 
 import pytest
@@ -20,6 +24,32 @@ import pytest
 # Notebooks whose rewrite lives on another branch: their failures are reported as xfail (not strict) until
 # that branch merges; the lead empties this after merging. Keys: the two-digit notebook number.
 NOISE = ("Failed to load",)
+RAW_DICT = re.compile(r"^\s*\{\s*['\"][^'\"]+['\"]\s*:\s.*\}\s*$")      # {'loss': 2.1, ...} on one line
+NEGATIVE_ZERO = re.compile(r"(?<![\w.])-0(?:\.0+)?(?![\d.])(?:\s?[%x×]|\b)")  # -0.00, -0%, -0.0x, -0
+
+
+def noise_lines(text: str) -> list[str]:
+    """The lines of one cell's printed text that are noise: a raw dict, a signed zero, a repeated message.
+
+    >>> [p.split(":")[0] for p in noise_lines("{'loss': 2.1, 'step': 3}\\nsaving -0.00% of the peak\\n"
+    ...                                            "No GPU attached: CPU path\\nNo GPU attached: CPU path")]
+    ['raw dict printed', "'-0.0' figure", 'printed twice']
+    >>> noise_lines("| a | -0.5 |\\n| b | 1e-05 |\\n|---|---|\\n|---|---|\\nstep-0 done")
+    []
+    """
+    found, seen = [], set()
+    for line in text.splitlines():
+        s = line.strip()
+        if RAW_DICT.match(s):
+            found.append(f"raw dict printed: {s[:120]!r}")
+        if NEGATIVE_ZERO.search(s):
+            found.append(f"'-0.0' figure: {s[:120]!r}")
+        # a message: words, not a table row, a rule or a number column
+        if len(re.findall(r"[A-Za-z]{2,}", s)) >= 3 and not s.startswith(("|", "+", "-", "=")):
+            if s in seen:
+                found.append(f"printed twice: {s[:120]!r}")
+            seen.add(s)
+    return list(dict.fromkeys(found))
 
 
 def _texts(out: dict[str, Any]) -> Iterable[str]:
@@ -45,6 +75,9 @@ def output_problems(outputs: Iterable[dict[str, Any]], seen: dict[str, int], cel
     ['cell 5 shows the same image as cell 3 (a chart drawn twice)']
     """
     problems = []
+    printed = "\n".join(out.get("text") or "" for out in outputs if out.get("output_type") == "stream")
+    plain = [t for out in outputs if out.get("output_type") != "stream" for t in _texts(out)]
+    problems += [f"cell {cell} prints noise: {p}" for p in noise_lines("\n".join([printed] + plain))]
     for out in outputs:
         for text in _texts(out):
             for noise in NOISE:

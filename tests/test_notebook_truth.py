@@ -337,3 +337,22 @@ def test_the_hook_fails_the_cells_that_draw_twice_in_process():
         reports.append(report)
     assert [r.outcome for r in reports] == ["passed", "failed", "failed"]
     assert "same image as cell 0" in reports[1].longrepr and "third-party noise" in reports[2].longrepr
+
+
+def test_output_problems_flag_our_own_noise():
+    """Issue 37's noise, as the executed notebooks printed it, fails the cell; the clean version passes."""
+    def stream(text):
+        return {"output_type": "stream", "name": "stdout", "text": text}
+    trainer_logs = "{'loss': 3.2101, 'grad_norm': 1.53, 'learning_rate': 0.001, 'epoch': 0.5}\n"
+    assert hooks.output_problems([stream(trainer_logs)], {}, 3) == [
+        "cell 3 prints noise: raw dict printed: \"" + trainer_logs.strip() + "\""]
+    assert hooks.output_problems([{"output_type": "execute_result", "data": {"text/plain": "{'fp16': 0.25, 'fp32': 1.0}"}}],
+                                 {}, 7)[0].startswith("cell 7 prints noise: raw dict")
+    for figure in ("saving -0.00% of the peak", "zero:1 vs baseline: -0% less", "ratio -0.0x"):
+        assert "'-0.0' figure" in hooks.output_problems([stream(figure)], {}, 1)[0], figure
+    twice = "No GPU attached: running on the CPU.\nshrinking the micro-batch to 4\nNo GPU attached: running on the CPU.\n"
+    assert hooks.output_problems([stream(twice)], {}, 2) == [
+        "cell 2 prints noise: printed twice: 'No GPU attached: running on the CPU.'"]
+    clean = ("| step | loss |\n|---|---|\n|---|---|\n| 1 | -0.52 |\nsaving +0.00% of the peak; lr 1e-05\n"
+             "No GPU attached: running on the CPU.\n")
+    assert hooks.output_problems([stream(clean)], {}, 4) == []

@@ -54,3 +54,63 @@ def test_every_chart_passes_the_readability_audit(path):
     assert "plt.show()" not in code and "plt.figure(" not in code, "show figures with colabkit.plots.show(fig)"
     draws = re.findall(r"plot_breakdown\(|pareto\(|plt\.subplots\(", code)
     assert len(re.findall(r"\bshow\(", code)) >= min(1, len(draws)), "a chart is drawn but never shown through show()"
+
+
+# ----- a question before each answer (issue 37) -----------------------------------------------------------
+PREDICTION, GLOSSARY, EXERCISES = "**Your prediction:**", "**Words you will meet:**", "## Exercises"
+# words a learner must not meet unexplained in what a notebook shows (the library's internals)
+JARGON = ("T4 emulation", "sm75", "kMinBlockSize", "emulating_t4")
+
+
+def lesson_problems(cells: list[dict]) -> list[str]:
+    """What the learning scaffold of one notebook lacks: 1-3 prediction prompts, each right before a code cell
+    (the cell that measures the answer); a glossary before the first numbered section; a closing Exercises
+    section of 2-3 numbered items with no section after it; no internal jargon in markdown."""
+    problems = []
+    md = [(i, _src(c)) for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+    asks = [i for i, s in md if s.lstrip().startswith(PREDICTION)]
+    if not 1 <= len(asks) <= 3:
+        problems.append(f"{len(asks)} '{PREDICTION}' cells (1-3 wanted)")
+    for i in asks:
+        if i + 1 >= len(cells) or cells[i + 1]["cell_type"] != "code":
+            problems.append(f"cell {i}: a prediction must come right before the code cell that answers it")
+    sections = [i for i, s in md if re.match(r"##\s", s)]
+    words = [i for i, s in md if s.lstrip().startswith(GLOSSARY)]
+    if len(words) != 1 or (sections and words[0] > sections[0]):
+        problems.append(f"one '{GLOSSARY}' glossary cell before the first section wanted, found at {words}")
+    ex = [i for i, s in md if s.lstrip().startswith(EXERCISES)]
+    if len(ex) != 1:
+        problems.append(f"one '{EXERCISES}' section wanted, found {len(ex)}")
+    else:
+        items = re.findall(r"^\d+\.\s", dict(md)[ex[0]], flags=re.M)
+        if not 2 <= len(items) <= 3:
+            problems.append(f"'{EXERCISES}' has {len(items)} numbered exercises (2-3 wanted)")
+        if [i for i in sections if i > ex[0]]:
+            problems.append(f"'{EXERCISES}' must be the closing section")
+    problems += [f"cell {i}: internal jargon {w!r}" for i, s in md for w in JARGON if w in s]
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_a_question_before_each_answer(path):
+    with open(path) as f:
+        cells = json.load(f)["cells"]
+    assert not lesson_problems(cells), f"{os.path.basename(path)}: {lesson_problems(cells)}"
+
+
+def test_lesson_problems_negative_controls():
+    def cell(kind, src):
+        return {"cell_type": kind, "source": src}
+    good = [cell("markdown", "# t"), cell("code", "x"), cell("markdown", GLOSSARY + " a"), cell("markdown", "## 1. a"),
+            cell("markdown", PREDICTION + " ?"), cell("code", "y"), cell("markdown", "## Takeaways"),
+            cell("markdown", EXERCISES + "\n\n1. a\n2. b")]
+    assert lesson_problems(good) == []
+    no_ask = [c for c in good if not c["source"].startswith(PREDICTION)]
+    assert "0 '**Your prediction:**' cells (1-3 wanted)" in lesson_problems(no_ask)
+    ask_late = good[:4] + [good[4], good[6], good[5]] + good[7:]   # a prediction followed by markdown
+    assert any("right before the code cell" in p for p in lesson_problems(ask_late))
+    assert any("glossary" in p for p in lesson_problems(good[:2] + good[3:4] + good[2:3] + good[4:]))
+    assert any("numbered exercises" in p for p in lesson_problems(good[:-1] + [cell("markdown", EXERCISES + "\n\n1. a")]))
+    assert any("closing section" in p for p in lesson_problems(good + [cell("markdown", "## More")]))
+    assert lesson_problems(good + [cell("markdown", "a T4 (T4 emulation is on) (sm75)")])[-2:] == [
+        "cell 8: internal jargon 'T4 emulation'", "cell 8: internal jargon 'sm75'"]
