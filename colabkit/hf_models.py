@@ -12,6 +12,7 @@ transformers' Trainer, re-exports it.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -97,3 +98,52 @@ def load_hf_4bit(model_id: str, compute_dtype: torch.dtype = torch.float16, devi
         **{dtype_kwarg(tf): compute_dtype})
     model._colabkit_placed = True  # placed by accelerate; .to() is refused on 4-bit HF models
     return model
+
+
+def _byte_tokenizer() -> Any:
+    """A byte-level ``PreTrainedTokenizerFast``: id b is byte b (as :class:`colabkit.ByteTokenizer`), no merges,
+    ``<|endoftext|>`` (id 256) as eos and pad; what a stand-in ships in place of the hub's tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's printable stand-ins for the 256 bytes (what ByteLevel pre-tokenizers map bytes to)
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b if b in keep else 256 + sum(1 for c in range(b) if c not in keep)) for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                                   pad_token="<|endoftext|>")
+
+
+def offline_stand_in(model_id: str, cache_dir: str | None = None, config: Any = None, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> str:
+    """Put a stand-in for hub model ``model_id`` into the Hugging Face cache (``cache_dir``, default the hub
+    cache): its config (shipped with colabkit, or ``config``), random weights (``seed``; ``dtype`` as the hub
+    stores them) and a byte-level tokenizer. ``from_pretrained(model_id)`` then loads it with
+    ``HF_HUB_OFFLINE=1`` on the same code path as the real weights (4-bit loading included), for a machine
+    with no network; the model has learned nothing, so only claims a random model can make true hold.
+    Returns the snapshot folder.
+
+    >>> folder = offline_stand_in("Qwen/Qwen2.5-0.5B")  # doctest: +SKIP
+    """
+    tf = _transformers()
+    from huggingface_hub import constants
+
+    from .models import hub_config
+
+    cfg = config if config is not None else hub_config(model_id)
+    cache_dir = cache_dir or constants.HF_HUB_CACHE
+    repo = os.path.join(cache_dir, "models--" + model_id.replace("/", "--"))
+    revision = "0" * 32 + "c01abc17"  # a fixed commit name: the stand-in, not a hub revision
+    folder = os.path.join(repo, "snapshots", revision)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(folder)
+    _byte_tokenizer().save_pretrained(folder)
+    with open(os.path.join(folder, "COLABKIT_STAND_IN.txt"), "w") as f:
+        f.write(f"{model_id}: config only, random weights (seed {seed}), byte-level tokenizer; made by "
+                "colabkit.hf_models.offline_stand_in for a machine without the hub\n")
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(revision)
+    return folder
