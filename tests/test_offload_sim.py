@@ -387,13 +387,13 @@ def test_plan_over_host_ram_is_refused_before_anything_moves(monkeypatch):
     real = sum(offload_guard.host_footprint(model, ["params"], "adamw").values())
     assert real > 3 * old_figure
     # enough RAM for what the old guard counted, not for what the plan takes
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + (old_figure + real) // 2})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + (old_figure + real) // 2})
     with MemoryTracker(device="cpu", alert_at=None) as mt:
         with pytest.raises(PlanError, match="block parameters .* gradient buffers .* optimizer state"):
             Trainer(model, "offload:params", device="cpu", offload_sim=True)
     assert mt.report()["host_bytes"] == 0  # nothing went to the host side before the refusal
     assert not any(getattr(p, "_colabkit_host", False) for p in model.parameters())
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + real + (1 << 20)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + real + (1 << 20)})
     Trainer(model, "offload:params", device="cpu", offload_sim=True)  # control: with the room, it runs
 
 
@@ -405,7 +405,7 @@ def test_offloaded_pinned_counts_pinned_rounding(monkeypatch):
     opt.step()
     opt.zero_grad()
     moments = sum(v.numel() * 4 for s in opt.state.values() for k, v in s.items() if k != "step")
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + int(1.5 * moments)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + int(1.5 * moments)})
     with offload_optimizer.offloaded(opt, m, "cpu"):  # pageable: fits
         pass
     with pytest.raises(PlanError, match=r"\(pinned\) needs 16.0 MiB"):  # pinned: two 8 MiB blocks
@@ -466,7 +466,7 @@ def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
     small_need = cache.cycle_peak
     assert big > 4 * cache.held and cache.held <= 2 * small_need, (big, cache.held, small_need)
     free, held = dev.HOST_RESERVE + (256 << 10), cache.held  # RAM left; what the cache takes from now on comes out of it
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": free - (cache.held - held)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": free - (cache.held - held)})
     with pytest.raises(PlanError, match="saved activations"):  # a larger batch: the cache would outgrow RAM
         t.step(*TextData().batch(16, 32, step=5))
 
