@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import __future__
+import contextlib
 import copy
 import functools
 import inspect
@@ -84,8 +85,12 @@ def test_reused_source_and_missing_wait_stream_are_poison():
     pair = dev.DevicePair("cpu")
     src, dst = torch.ones(4), torch.zeros(4)
     _side_copy(pair, dst, src)
-    src.fill_(5.0)                                 # reused before the copy ran: the copy sees the new bytes
+    src.fill_(5.0)                                 # written before the copy ran: a race, poison
     pair.sync()
+    assert dst.isnan().all() and pair.stats()["written_before_landed"] == 1
+    _side_copy(pair, dst, src)                     # control: written only once the copy landed
+    pair.sync()
+    src.fill_(6.0)
     assert dst.tolist() == [5.0] * 4
     with pair.rt.stream(pair.stream):              # a side copy that did not wait for the compute stream
         pair.copy_(dst, src)
@@ -100,6 +105,97 @@ def test_pinned_blocks_are_rounded_and_counted():
     assert (s["pinned_bytes"], s["payload_bytes"]) == (1024, 1000)
     del h
     assert pair.stats()["pinned_bytes"] == 0 and pair.stats()["pinned_peak_bytes"] == 1024
+
+
+def test_lent_tensor_written_before_its_copy_landed_is_poison():
+    pair = dev.DevicePair("cpu")
+    src, dst = torch.ones(4), torch.zeros(4)
+    _side_copy(pair, dst, src)
+    pair.lend(src)
+    src.add_(1)                                    # the caller reuses a lent tensor too early
+    pair.sync()
+    assert dst.isnan().all()
+    _side_copy(pair, dst, src)                     # control: lent, left alone until the copy landed
+    pair.lend(src)
+    pair.sync()
+    assert dst.tolist() == [2.0] * 4
+
+
+def test_pinned_buffer_reused_before_its_copy_landed_is_poison():
+    pair = dev.DevicePair("cpu")
+    buf = pair.host_empty((4,), torch.float32)
+    ones, twos = torch.ones(4), torch.full((4,), 2.0)
+    _side_copy(pair, buf, ones)
+    buf.fill_(3.0)                                 # the host refills the buffer before the copy landed
+    pair.sync()
+    assert buf.isnan().all()
+    other = pair.rt.Stream()                       # two streams filling one buffer at once
+    _side_copy(pair, buf, ones)
+    other.wait_stream(pair.rt.current_stream())
+    with pair.rt.stream(other):
+        pair.copy_(buf, twos)
+    pair.sync(), other.synchronize()
+    assert buf.isnan().all() and pair.stats()["reused_before_landed"] == 1
+    _side_copy(pair, buf, ones)                    # control: reused once the copy landed
+    pair.sync()
+    assert buf.tolist() == [1.0] * 4
+    buf.fill_(3.0)
+    _side_copy(pair, buf, twos)
+    _side_copy(pair, buf, ones)                    # control: two copies in order on one stream
+    pair.sync()
+    assert buf.tolist() == [1.0] * 4
+
+
+def test_compute_stream_copy_into_pinned_memory_lands_when_waited_for():
+    pair = dev.DevicePair("cpu")
+    host, dev_t = pair.host_empty((3,), torch.float32), torch.arange(3.0)
+    pair.copy_(host, dev_t)                        # device -> pinned on the compute stream: the device runs ahead
+    assert host.isnan().all()                      # the host reads before it waited
+    ev = pair.rt.Event()
+    ev.record(pair.rt.current_stream())
+    pair.wait_host(ev)
+    assert host.tolist() == [0.0, 1.0, 2.0]
+    d2 = torch.zeros(3)                            # control: into compute-side memory, in order at once
+    pair.copy_(d2, dev_t)
+    assert d2.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_sides_record_stream_and_mixed_ops():
+    pair = dev.DevicePair("cpu")
+    host = pair.to_host(torch.ones(4))
+    with pytest.raises(dev.TwinError, match="record_stream on a host tensor"):
+        pair.lend(host)
+    pair.lend(torch.ones(4))                       # control: a compute-side tensor may be lent
+    with pair.rt.strict_sides():
+        with pytest.raises(dev.TwinError, match="mixes host-side and compute-side"):
+            torch.ones(4) + host                   # CUDA: "Expected all tensors to be on the same device"
+        assert (host + host).tolist() == [2.0] * 4                      # control: one side each
+        assert (torch.ones(4) * 2).tolist() == [2.0] * 4
+        assert pair.to_compute(host).tolist() == [1.0] * 4              # a copy between the sides passes
+
+
+def test_pageable_or_strided_host_end_is_a_hidden_sync():
+    pair = dev.DevicePair("cpu")
+    pinned = pair.host_empty((2, 8), torch.float32).zero_()
+    pageable = dev.mark_host(torch.zeros(8))
+    pair.copy_(torch.empty(8), pinned[0])          # control: pinned and contiguous
+    assert pair.stats().get("hidden_syncs", 0) == 0
+    pair.copy_(torch.empty(2, 4), pinned[:, :4])   # a non-contiguous view of a pinned buffer
+    pair.copy_(torch.empty(8), pageable)           # pageable host memory
+    assert pair.stats()["hidden_syncs"] == 2
+    with pair.rt.sync_debug("error"):
+        pair.copy_(torch.empty(8), pinned[1])      # control: no sync
+        with pytest.raises(dev.TwinError, match="pageable"):
+            pair.copy_(torch.empty(8), pageable)
+        with pytest.raises(dev.TwinError, match="torch.tensor"):
+            torch.tensor(1.0, device="cpu")
+        with pytest.raises(dev.TwinError, match="Tensor.to"):
+            torch.ones(2).to("cpu")
+        with pytest.raises(dev.TwinError, match="stream synchronize"):
+            pair.sync()
+        torch.ones(2).to(torch.float16), torch.full((), 1.0, device="cpu")   # control: no copy to a device
+    torch.tensor(1.0, device="cpu")                # outside: not counted
+    assert pair.stats()["hidden_syncs"] == 5
 
 
 # ----- the offload equivalence checks the mutation test runs ----------------------------------------
@@ -404,3 +500,55 @@ def test_cuda_phase_peaks_are_per_phase(monkeypatch):
     fake.alloc(10)
     mt.reset_peaks()                                    # the measured window restarts from what is live
     assert mt.report()["peak_bytes"] == 1010
+
+
+# ----- the no-sync-per-chunk paths under the twin's sync_debug("error") (issue 34, item 4) ------------
+def _disk_step(tmp_path, pair, refused=None):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 7))
+    opt = disk.DiskAdamW(m.parameters(), lr=1e-2, directory=str(tmp_path), chunk_elems=500, pair=pair)
+    m(torch.randn(8, 32)).pow(2).mean().backward()
+    try:
+        with pytest.raises(dev.TwinError, match=refused) if refused else contextlib.nullcontext():
+            with pair.rt.sync_debug("error"):
+                opt.step()
+    finally:
+        opt._pool.submit(lambda: None).result()   # the IO thread lets go of the optimizer before we do
+
+
+def test_disk_adamw_staged_step_makes_no_hidden_sync(tmp_path, monkeypatch):
+    pair = dev.DevicePair("cpu")
+    _disk_step(tmp_path, pair)                     # chunks of 512, 64, 448, 7 values: narrower than the buffers
+    assert pair.stats().get("hidden_syncs", 0) == 0 and "poisoned" not in pair.stats()
+    # negative controls: the code before the fix — a step tensor per chunk copied from the host, and the
+    # chunk staged through a strided view of the pinned buffer
+    fused = disk._update
+    monkeypatch.setattr(disk, "_update", lambda p, g, mv, step, grp, step_t=None: fused(
+        p, g, mv, step, grp, torch.tensor(float(step), device=p.device)))
+    _disk_step(tmp_path, dev.DevicePair("cpu"), refused="torch.tensor")
+    monkeypatch.setattr(disk, "_update", fused)
+
+    def strided_read(self, k, buf):
+        n = self.chunks[k][2] - self.chunks[k][1]
+        out = buf[:, :n]
+        out.copy_(self._view(k))
+        return out
+    monkeypatch.setattr(disk.DiskAdamW, "_read", strided_read)
+    _disk_step(tmp_path, dev.DevicePair("cpu"), refused="not contiguous")
+
+
+def test_adamw4bit_step_makes_no_hidden_sync(monkeypatch):
+    from colabkit.techniques import optimizers
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3 * optimizers.AdamW4bit.CHUNK // 2))   # two chunks, the last partial
+    opt = optimizers.AdamW4bit([w])
+    twin = dev.CudaTwin()
+    for _ in range(2):
+        w.grad = torch.randn_like(w)
+        with twin.sync_debug("error"):
+            opt.step()
+    assert twin.stats().get("hidden_syncs", 0) == 0
+    # negative control: the step tensor copied to the parameter's device per chunk (the code before the fix)
+    monkeypatch.setattr(optimizers, "_device_step", lambda step, device: step.to(device))
+    with pytest.raises(dev.TwinError, match="Tensor.to"), twin.sync_debug("error"):
+        opt.step()

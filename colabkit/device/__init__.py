@@ -22,4 +22,4 @@ import torch  # noqa: F401  (the doctest above)
 from .host import (HOST_RESERVE, _HOST, _HOST_SCOPE, _PLAIN, _storages, fmt_bytes, host_ram,  # noqa: F401
                    host_ram_guard, host_side, is_host, mark_host, pinned_bytes)
 from .pair import CudaRuntime, DevicePair, PinnedCache, host_unscaling, pair_of, to_device_async  # noqa: F401
-from .twin import CudaTwin, _TwinEvent, _TwinStream  # noqa: F401
+from .twin import CudaTwin, TwinError, _TwinEvent, _TwinStream  # noqa: F401

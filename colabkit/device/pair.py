@@ -50,6 +50,20 @@ class CudaRuntime:
         if fn is not None:
             fn()
 
+    @contextlib.contextmanager
+    def sync_debug(self, mode: str = "error") -> Iterator[None]:
+        """Inside, a synchronizing CUDA call warns or raises (``torch.cuda.set_sync_debug_mode``)."""
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+
+    def strict_sides(self) -> contextlib.AbstractContextManager:
+        """CUDA itself refuses an op that mixes host and device tensors."""
+        return contextlib.nullcontext()
+
     def stats(self) -> dict[str, int]:
         s = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
         return {"pinned_bytes": s.get("allocated_bytes.current", 0),
