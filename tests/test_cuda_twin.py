@@ -2,9 +2,12 @@
 
 * The CPU twin of CUDA's ordering rules (``CudaTwin`` under a simulated ``DevicePair``): each rule
   against a hand-written case.
-* The mutation test: every CUDA-only ordering statement of offload (the wait, the event record, the
-  record_stream, the synchronizes, and each call site that relies on them), deleted alone, makes at
-  least one offload equivalence check fail; with none deleted every check passes.
+* The mutation test: every CUDA-only ordering statement of the seam (the wait, the event record, the
+  record_stream, the synchronizes, and each call site that relies on them), every delegation of
+  ``CudaRuntime`` to torch.cuda (checked against a recording stand-in for torch) and the host-side unscale
+  of fp16 gradients, deleted alone, makes at least one check fail; with none deleted every check passes.
+* The stricter twin (issue 34): sides, deferred copies into pinned memory, hidden syncs and
+  ``sync_debug("error")``, writes before a copy landed — each rule with its case and its control.
 * The tracker's per-phase CUDA peak (a fake allocator in torch.cuda's place): each phase's own peak,
   not the maximum since the last reset.
 """
@@ -241,15 +244,35 @@ def check_host_optimizer_grad_scaler():
             offload_optimizer.HostOptimizer([{"params": list(b.parameters())}], lambda g: torch.optim.AdamW(g, lr=1e-3)))
     for m, opt in zip((a, b), opts):
         sc = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        if opt is opts[1]:  # host gradients: unscaled on the host (on a GPU torch's copy of the scale races)
+            sc = dev.host_unscaling(sc)
         for i in range(2):
             parts = [slice(0, 4)] if i == 0 else [slice(0, 2), slice(2, 4)]  # step 2: a gradient accumulated
             for part in parts:
                 x, y = (t[part] for t in TextData().batch(4, 16, step=i))
                 sc.scale(torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()) / len(parts)).backward()
-            sc.step(opt)
+            with _scale_read_before_landed(opt is opts[1]):
+                sc.step(opt)
             sc.update()
             opt.zero_grad()
     return all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@contextlib.contextmanager
+def _scale_read_before_landed(on):
+    """On a GPU with host gradients, torch's _MultiDeviceReplicator hands the CPU unscale a pinned copy of
+    inv_scale / found_inf read before it landed: the twin's poison (NaN) in its place."""
+    from torch.amp import grad_scaler
+
+    class ReadBeforeLanded(grad_scaler._MultiDeviceReplicator):
+        def get(self, device):
+            return self._per_device_tensors.setdefault(device, torch.full_like(self.master, float("nan")))
+    real = grad_scaler._MultiDeviceReplicator
+    grad_scaler._MultiDeviceReplicator = ReadBeforeLanded if on else real
+    try:
+        yield
+    finally:
+        grad_scaler._MultiDeviceReplicator = real
 
 
 def check_streamed_params():
@@ -290,7 +313,68 @@ def check_disk_staged(tmp="."):
     return all(torch.equal(a, b) for a, b in zip(ref, got))
 
 
-CHECKS = [check_host_optimizer, check_host_optimizer_accumulation, check_host_optimizer_grad_scaler,
+class _Recorded:
+    """A recording stand-in for ``torch`` (its ``cuda``, ``empty``, ``accelerator``) and for CUDA tensors:
+    every call lands in ``calls`` as (name, args, kwargs) and returns a new stand-in."""
+
+    def __init__(self, calls, name=""):
+        self._calls, self._name = calls, name
+
+    def __getattr__(self, attr):
+        if attr == "host_memory_stats":
+            return lambda: {"allocated_bytes.current": 3, "allocated_bytes.peak": 5}
+        return _Recorded(self._calls, f"{self._name}.{attr}".lstrip("."))
+
+    def __call__(self, *args, **kwargs):
+        self._calls.append((self._name, args, kwargs))
+        return _Recorded(self._calls, f"{self._name}()")
+
+    def __enter__(self):
+        self._calls.append((f"{self._name}.__enter__", (), {}))
+
+    def __exit__(self, *exc):
+        self._calls.append((f"{self._name}.__exit__", (), {}))
+
+
+def check_cuda_runtime_contract():
+    """Each CudaRuntime verb, with torch replaced by a recording stand-in, issues exactly the intended call."""
+    import colabkit.device.pair as pair_mod
+    calls = []
+    real, pair_mod.torch = pair_mod.torch, _Recorded(calls)
+    try:
+        cuda = torch.device("cuda", 0)
+        rt = dev.CudaRuntime(cuda)
+        t, s = _Recorded(calls, "t"), _Recorded(calls, "s")
+        results = {}
+        for verb, run in [("Stream", lambda: rt.Stream()), ("Event", lambda: rt.Event()),
+                          ("current_stream", lambda: rt.current_stream()), ("stream", lambda: rt.stream(s)),
+                          ("record_stream", lambda: rt.record_stream(t, s)), ("copy_", lambda: rt.copy_(t, s)),
+                          ("host_empty", lambda: rt.host_empty((2, 3), torch.float16)),
+                          ("empty_host_cache", lambda: rt.empty_host_cache()), ("stats", lambda: rt.stats())]:
+            calls.clear()
+            out = run()
+            results[verb] = (list(calls), out)
+        calls.clear()
+        with rt.sync_debug("error"):
+            inside = list(calls)
+        after = list(calls)
+    finally:
+        pair_mod.torch = real
+    want = {"Stream": [("cuda.Stream", (cuda,), {})], "Event": [("cuda.Event", (), {})],
+            "current_stream": [("cuda.current_stream", (cuda,), {})], "stream": [("cuda.stream", (s,), {})],
+            "record_stream": [("t.record_stream", (s,), {})], "copy_": [("t.copy_", (s,), {"non_blocking": True})],
+            "host_empty": [("empty", ((2, 3),), {"dtype": torch.float16, "pin_memory": True})],
+            "empty_host_cache": [("accelerator.empty_host_cache", (), {})], "stats": []}
+    ok = all(results[v][0] == c for v, c in want.items())
+    ok &= all(isinstance(results[v][1], _Recorded) for v in ("Stream", "Event", "current_stream", "stream"))
+    ok &= results["stats"][1] == {"pinned_bytes": 3, "pinned_peak_bytes": 5}
+    ok &= [c[0] for c in inside] == ["cuda.get_sync_debug_mode", "cuda.set_sync_debug_mode"] and \
+        inside[1][1] == ("error",) and after[-1][0] == "cuda.set_sync_debug_mode" and len(after) == 3
+    return ok
+
+
+CHECKS = [check_cuda_runtime_contract, check_host_optimizer, check_host_optimizer_accumulation,
+          check_host_optimizer_grad_scaler,
           check_streamed_params, check_streamed_params_accumulation, check_streamed_tied_blocks, check_activations,
           check_disk_staged]
 
@@ -298,6 +382,20 @@ CHECKS = [check_host_optimizer, check_host_optimizer_accumulation, check_host_op
 # CUDA calls themselves (DevicePair runs them against torch.cuda or the twin); the rest are the
 # places offload relies on them.
 MUTANTS = [
+    # CudaRuntime: each delegation to torch.cuda (check_cuda_runtime_contract)
+    (dev, "CudaRuntime.Stream", "return torch.cuda.Stream(self.device)"),
+    (dev, "CudaRuntime.Event", "return torch.cuda.Event()"),
+    (dev, "CudaRuntime.current_stream", "return torch.cuda.current_stream(self.device)"),
+    (dev, "CudaRuntime.stream", "return torch.cuda.stream(s)"),
+    (dev, "CudaRuntime.record_stream", "t.record_stream(s)"),
+    (dev, "CudaRuntime.copy_", "dst.copy_(src, non_blocking=True)"),
+    (dev, "CudaRuntime.host_empty", "return torch.empty(shape, dtype=dtype, pin_memory=True)"),
+    (dev, "CudaRuntime.empty_host_cache", "fn()"),
+    (dev, "CudaRuntime.sync_debug", "torch.cuda.set_sync_debug_mode(mode)"),
+    (dev, "CudaRuntime.sync_debug", "torch.cuda.set_sync_debug_mode(prev)"),
+    (dev, "CudaRuntime.stats", 's = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}'),
+    (dev, "host_unscaling", "scaler._unscale_grads_ = _unscale_grads_"),   # host gradients unscaled on the host
+    (dev, "host_unscaling", "host_inv = inv_scale.to(host_dev, copy=True)"),  # ... with a blocking read
     (dev, "DevicePair.side", "self.stream.wait_stream(self.rt.current_stream())"),   # side waits for compute
     (dev, "DevicePair.done", "ev.record(self.stream)"),                               # the event record
     (dev, "DevicePair.use", "self.rt.current_stream().wait_event(event)"),            # compute waits for the event
@@ -361,6 +459,17 @@ def _failing_checks(first=False, checks=None):
     return failed
 
 
+def test_cuda_runtime_contract(monkeypatch):
+    assert check_cuda_runtime_contract()
+    # negative controls: a blocking copy, a pageable host buffer, a record_stream that is not made
+    for verb, wrong in (("copy_", lambda self, dst, src: dst.copy_(src)),
+                        ("host_empty", lambda self, shape, dtype: torch.empty(shape, dtype=dtype)),
+                        ("record_stream", lambda self, t, s: None)):
+        with monkeypatch.context() as m:
+            m.setattr(dev.CudaRuntime, verb, wrong)
+            assert not check_cuda_runtime_contract(), verb
+
+
 def test_every_check_passes_on_the_real_code():
     assert _failing_checks() == []
 
@@ -397,6 +506,10 @@ def test_mutants_name_every_cuda_call_in_devicepair():
         ".wait_stream(", ".wait_event(", ".record(", ".record_stream(", ".synchronize()"))]
     listed = {s for m, q, s in MUTANTS if q.startswith("DevicePair.")}
     assert calls and set(calls) <= listed, set(calls) - listed
+    # ... and every verb of CudaRuntime that delegates to torch (strict_sides: CUDA checks sides itself)
+    verbs = {n for n, f in vars(dev.CudaRuntime).items() if callable(f) or isinstance(f, property)} - {
+        "__init__", "strict_sides"}
+    assert verbs and verbs <= {q.split(".")[1] for m, q, s in MUTANTS if q.startswith("CudaRuntime.")}
 
 
 # ----- the seam: every CUDA stream/event/pinned/async-copy call lives in colabkit/device/ ----------------

@@ -69,6 +69,7 @@ class CudaRuntime:
         return {"pinned_bytes": s.get("allocated_bytes.current", 0),
                 "pinned_peak_bytes": s.get("allocated_bytes.peak", 0)}
 
+
 # ----- the device pair: the only lines that differ between CUDA and the CPU twin -----------------
 class DevicePair:
     """The two sides offload moves tensors between: ``compute`` (the GPU) and ``host`` (CPU RAM).
