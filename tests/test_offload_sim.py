@@ -514,3 +514,23 @@ def test_fp16_overflow_with_host_gradients_skips_the_step_and_halves_the_scale(p
     monkeypatch.setattr("colabkit.trainer.host_unscaling", lambda scaler: scaler)
     w, s = _fp16_run(plan)
     assert s != ref_s or not all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(w[-1], ref_w[-1]))
+
+
+# ----- zero:3 with offload: the host-RAM guard counts every rank on the machine (issue 34, item 3) -----
+def test_zero3_offload_is_guarded_for_every_rank_on_the_machine(monkeypatch):
+    model = build_model("gpt:2x64", seq=16)
+    plan, ctx = Plan.parse("zero:3+offload:optimizer"), Context(device=torch.device("cpu"), offload_sim=True)
+    prepare = REGISTRY["offload"].prepare_model
+    one, two = (sum(offload_guard.sharded_host_footprint(model, n, "adamw", pinned=False).values()) for n in (1, 2))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    # the build, the weight and gradient shards and AdamW's two moments; two ranks: the same shards, a 2nd build
+    assert one == full * 5 and two == one + full
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + (one + two) // 2})
+    with pytest.raises(PlanError, match="zero:3 shards to host RAM on 2 ranks"):
+        prepare(model, plan, ctx)                  # before the fix: skipped whenever zero was in the plan
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")    # control: one rank's share fits
+    assert prepare(model, plan, ctx) is model
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")    # control: enough RAM for both ranks
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + two + (1 << 20)})
+    assert prepare(model, plan, ctx) is model
