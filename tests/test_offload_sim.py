@@ -534,3 +534,20 @@ def test_zero3_offload_is_guarded_for_every_rank_on_the_machine(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")    # control: enough RAM for both ranks
     monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + two + (1 << 20)})
     assert prepare(model, plan, ctx) is model
+
+
+# ----- optimizers that read the model, with offload:optimizer (issue 36: a false reason before) -------
+def _two_steps(plan):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x64", seq=16), plan, device="cpu", offload_sim="offload" in plan)
+    losses = [t.step(*TextData().batch(4, 16, step=i)) for i in range(2)]
+    return losses, [p.detach().clone() for p in t.model.parameters()]
+
+
+@pytest.mark.parametrize("opt", ["adam-mini", "galore:8"])
+def test_model_reading_optimizers_train_with_offload_optimizer_through_the_trainer(opt):
+    (ref_l, ref_w), (l, w) = _two_steps(opt), _two_steps(f"{opt}+offload:optimizer")
+    assert l == pytest.approx(ref_l, rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(w, ref_w))
+    _, other = _two_steps("offload:optimizer")     # control: another optimizer's weights are told apart
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(other, ref_w))
