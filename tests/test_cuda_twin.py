@@ -175,6 +175,11 @@ def test_sides_record_stream_and_mixed_ops():
         assert (host + host).tolist() == [2.0] * 4                      # control: one side each
         assert (torch.ones(4) * 2).tolist() == [2.0] * 4
         assert pair.to_compute(host).tolist() == [1.0] * 4              # a copy between the sides passes
+        assert dev.is_host(torch.zeros_like(host))                     # the side propagates, as a device does
+        comp = torch.ones(4)
+        torch._foreach_add_([host, comp], [host, comp])                 # a list op: one side per index (torch
+        with pytest.raises(dev.TwinError, match="mixes"):               # groups by device), not across
+            torch._foreach_add_([host], [comp])
 
 
 def test_pageable_or_strided_host_end_is_a_hidden_sync():

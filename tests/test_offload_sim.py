@@ -551,3 +551,33 @@ def test_model_reading_optimizers_train_with_offload_optimizer_through_the_train
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(w, ref_w))
     _, other = _two_steps("offload:optimizer")     # control: another optimizer's weights are told apart
     assert not all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(other, ref_w))
+
+
+# ----- the offload paths under the stricter twin: one side per op, no sync per parameter (issue 34) ------
+def _backward_syncs(t, pair):
+    s0 = dict(pair.stats())
+    x, y = TextData().batch(4, 16, step=3)
+    with pair.rt.sync_debug("warn"):
+        with t.forward_context():
+            loss = t.loss(x, y, y.numel())
+        loss.backward()
+    s1 = pair.stats()
+    return s1.get("syncs", 0) - s0.get("syncs", 0), s1.get("hidden_syncs", 0) - s0.get("hidden_syncs", 0)
+
+
+@pytest.mark.parametrize("plan,syncs", [("offload:optimizer+accum:2", 0), ("offload:params+offload:optimizer", 1),
+                                        ("offload:activations", 0)])
+def test_offload_ops_keep_to_one_side_and_backward_syncs_at_most_once(plan, syncs, monkeypatch):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x32", seq=16), plan, device="cpu", offload_sim=True)
+    pair = dev.pair_of(t.model, "cpu")
+    with pair.rt.strict_sides():                   # an op mixing host and compute tensors raises (TwinError)
+        t.step(*TextData().batch(4, 16, step=0))
+        assert _backward_syncs(t, pair) == (syncs, 0)   # streamed blocks: once when backward ends, not per block
+    copy = dev.DevicePair.copy_                    # negative control: a copy that waits for itself is counted
+
+    def waiting(self, dst, src):
+        copy(self, dst, src)
+        self.sync()
+    monkeypatch.setattr(dev.DevicePair, "copy_", waiting)
+    assert _backward_syncs(t, pair)[0] > 10

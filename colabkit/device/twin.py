@@ -10,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .host import is_host, pinned_bytes
+from .host import _HOST_SCOPE, is_host, mark_host, pinned_bytes
 
 
 class TwinError(RuntimeError):
@@ -313,10 +313,25 @@ class _SideCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._schema.name.split("::")[-1] not in self._TRANSFERS:
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        name = func._schema.name.split("::")[-1]
+        if name.startswith(("_foreach_", "_fused_")):  # torch groups a list op's tensors by device: per index
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            groups = [[lst[i] for lst in lists if i < len(lst)] for i in range(len(lists[0]))] if lists else []
+        elif name not in self._TRANSFERS:
+            groups = [[a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]]
+        else:
+            groups = []
+        for flat in groups:
             sides = {is_host(a) for a in flat if a.dim() > 0}  # 0-dim tensors: scalars, any side (as CUDA)
             if len(sides) > 1:
                 raise TwinError(f"{func._schema.name} mixes host-side and compute-side tensors: move one side "
                                 "first (DevicePair.to_compute / to_host)")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.dim()]
+        # the side propagates as a device does: made from host tensors only (zeros_like(p)), or inside
+        # host_side() (a host optimizer's state), the result is host side
+        if getattr(_HOST_SCOPE, "on", False) or (ins and all(is_host(a) for a in ins)):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    mark_host(t)
+        return out
