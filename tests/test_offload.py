@@ -55,7 +55,7 @@ def test_host_ram_guard(monkeypatch):
     with pytest.raises(PlanError, match="1.0 GiB kept in reserve"):  # fits, but leaves no room
         dev.host_ram_guard(int(2.5 * 2**30), "x", available=3 << 30)
     # the guard runs before anything moves: streaming a model bigger than free RAM is refused
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": 2 << 20})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": 2 << 20})
     with pytest.raises(PlanError, match="block parameters"):
         offload_params.stream_blocks(build_model("gpt:2x64"), "cpu")
 

@@ -387,13 +387,13 @@ def test_plan_over_host_ram_is_refused_before_anything_moves(monkeypatch):
     real = sum(offload_guard.host_footprint(model, ["params"], "adamw").values())
     assert real > 3 * old_figure
     # enough RAM for what the old guard counted, not for what the plan takes
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + (old_figure + real) // 2})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + (old_figure + real) // 2})
     with MemoryTracker(device="cpu", alert_at=None) as mt:
         with pytest.raises(PlanError, match="block parameters .* gradient buffers .* optimizer state"):
             Trainer(model, "offload:params", device="cpu", offload_sim=True)
     assert mt.report()["host_bytes"] == 0  # nothing went to the host side before the refusal
     assert not any(getattr(p, "_colabkit_host", False) for p in model.parameters())
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + real + (1 << 20)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + real + (1 << 20)})
     Trainer(model, "offload:params", device="cpu", offload_sim=True)  # control: with the room, it runs
 
 
@@ -405,7 +405,7 @@ def test_offloaded_pinned_counts_pinned_rounding(monkeypatch):
     opt.step()
     opt.zero_grad()
     moments = sum(v.numel() * 4 for s in opt.state.values() for k, v in s.items() if k != "step")
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": dev.HOST_RESERVE + int(1.5 * moments)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + int(1.5 * moments)})
     with offload_optimizer.offloaded(opt, m, "cpu"):  # pageable: fits
         pass
     with pytest.raises(PlanError, match=r"\(pinned\) needs 16.0 MiB"):  # pinned: two 8 MiB blocks
@@ -466,7 +466,7 @@ def test_activation_cache_is_guarded_and_shrinks(monkeypatch):
     small_need = cache.cycle_peak
     assert big > 4 * cache.held and cache.held <= 2 * small_need, (big, cache.held, small_need)
     free, held = dev.HOST_RESERVE + (256 << 10), cache.held  # RAM left; what the cache takes from now on comes out of it
-    monkeypatch.setattr(dev, "host_ram", lambda: {"available": free - (cache.held - held)})
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": free - (cache.held - held)})
     with pytest.raises(PlanError, match="saved activations"):  # a larger batch: the cache would outgrow RAM
         t.step(*TextData().batch(16, 32, step=5))
 
@@ -514,3 +514,70 @@ def test_fp16_overflow_with_host_gradients_skips_the_step_and_halves_the_scale(p
     monkeypatch.setattr("colabkit.trainer.host_unscaling", lambda scaler: scaler)
     w, s = _fp16_run(plan)
     assert s != ref_s or not all(torch.allclose(a, b, rtol=0, atol=1e-5) for a, b in zip(w[-1], ref_w[-1]))
+
+
+# ----- zero:3 with offload: the host-RAM guard counts every rank on the machine (issue 34, item 3) -----
+def test_zero3_offload_is_guarded_for_every_rank_on_the_machine(monkeypatch):
+    model = build_model("gpt:2x64", seq=16)
+    plan, ctx = Plan.parse("zero:3+offload:optimizer"), Context(device=torch.device("cpu"), offload_sim=True)
+    prepare = REGISTRY["offload"].prepare_model
+    one, two = (sum(offload_guard.sharded_host_footprint(model, n, "adamw", pinned=False).values()) for n in (1, 2))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    # the build, the weight and gradient shards and AdamW's two moments; two ranks: the same shards, a 2nd build
+    assert one == full * 5 and two == one + full
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + (one + two) // 2})
+    with pytest.raises(PlanError, match="zero:3 shards to host RAM on 2 ranks"):
+        prepare(model, plan, ctx)                  # before the fix: skipped whenever zero was in the plan
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")    # control: one rank's share fits
+    assert prepare(model, plan, ctx) is model
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")    # control: enough RAM for both ranks
+    monkeypatch.setattr(dev.host, "host_ram", lambda: {"available": dev.HOST_RESERVE + two + (1 << 20)})
+    assert prepare(model, plan, ctx) is model
+
+
+# ----- optimizers that read the model, with offload:optimizer (issue 36: a false reason before) -------
+def _two_steps(plan):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x64", seq=16), plan, device="cpu", offload_sim="offload" in plan)
+    losses = [t.step(*TextData().batch(4, 16, step=i)) for i in range(2)]
+    return losses, [p.detach().clone() for p in t.model.parameters()]
+
+
+@pytest.mark.parametrize("opt", ["adam-mini", "galore:8"])
+def test_model_reading_optimizers_train_with_offload_optimizer_through_the_trainer(opt):
+    (ref_l, ref_w), (l, w) = _two_steps(opt), _two_steps(f"{opt}+offload:optimizer")
+    assert l == pytest.approx(ref_l, rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(w, ref_w))
+    _, other = _two_steps("offload:optimizer")     # control: another optimizer's weights are told apart
+    assert not all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(other, ref_w))
+
+
+# ----- the offload paths under the stricter twin: one side per op, no sync per parameter (issue 34) ------
+def _backward_syncs(t, pair):
+    s0 = dict(pair.stats())
+    x, y = TextData().batch(4, 16, step=3)
+    with pair.rt.sync_debug("warn"):
+        with t.forward_context():
+            loss = t.loss(x, y, y.numel())
+        loss.backward()
+    s1 = pair.stats()
+    return s1.get("syncs", 0) - s0.get("syncs", 0), s1.get("hidden_syncs", 0) - s0.get("hidden_syncs", 0)
+
+
+@pytest.mark.parametrize("plan,syncs", [("offload:optimizer+accum:2", 0), ("offload:params+offload:optimizer", 1),
+                                        ("offload:activations", 0)])
+def test_offload_ops_keep_to_one_side_and_backward_syncs_at_most_once(plan, syncs, monkeypatch):
+    torch.manual_seed(0)
+    t = Trainer(build_model("gpt:2x32", seq=16), plan, device="cpu", offload_sim=True)
+    pair = dev.pair_of(t.model, "cpu")
+    with pair.rt.strict_sides():                   # an op mixing host and compute tensors raises (TwinError)
+        t.step(*TextData().batch(4, 16, step=0))
+        assert _backward_syncs(t, pair) == (syncs, 0)   # streamed blocks: once when backward ends, not per block
+    copy = dev.DevicePair.copy_                    # negative control: a copy that waits for itself is counted
+
+    def waiting(self, dst, src):
+        copy(self, dst, src)
+        self.sync()
+    monkeypatch.setattr(dev.DevicePair, "copy_", waiting)
+    assert _backward_syncs(t, pair)[0] > 10

@@ -43,9 +43,11 @@ host-RAM guard); this one registers the token. The seam's names (``DevicePair``,
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..device import (HOST_RESERVE, CudaRuntime, CudaTwin, DevicePair, PinnedCache, _TwinEvent,  # noqa: F401
@@ -53,7 +55,7 @@ from ..device import (HOST_RESERVE, CudaRuntime, CudaTwin, DevicePair, PinnedCac
 from ..models import blocks_of  # noqa: F401  (re-exported for one release)
 from ..plan import Context, Plan, PlanError, Technique, register
 from .offload_activations import activation_offload  # noqa: F401
-from .offload_guard import guard_plan, host_footprint  # noqa: F401
+from .offload_guard import guard_plan, guard_sharded, host_footprint  # noqa: F401
 from .offload_optimizer import (STRATEGIES, HostOptimizer, HostStateOptimizer, _dq8, _host_copy,  # noqa: F401
                                 _offload_optimizer, _q8, offloaded)
 from .offload_params import BlockStreamer, _Streamed, _StreamedBlockFn, stream_blocks  # noqa: F401
@@ -101,9 +103,19 @@ def _check(plan: Plan, ctx: Context) -> None:
                             "in qlora; drop one")
 
 
+def local_ranks() -> int:
+    """Processes of the run on this machine (they share its host RAM): torchrun's LOCAL_WORLD_SIZE, else
+    every rank of the process group (colabkit.launch starts them all here)."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     kinds = set(plan.get("offload", ())) - {"activations"}  # activations: guarded as the pinned cache grows
-    if kinds and "zero" not in plan:  # zero:3: FSDP2's CPUOffloadPolicy does it
+    if kinds and "zero" in plan:  # zero:3: FSDP2's CPUOffloadPolicy moves the shards; every rank's count here
+        guard_sharded(model, local_ranks(), plan.optimizer_token, pinned=ctx.cuda)
+    if kinds and "zero" not in plan:
         # the one guard, before anything moves: weights, gradients and optimizer state, pinned rounding
         guard_plan(model, kinds, plan.optimizer_token)
         if "params" in kinds:

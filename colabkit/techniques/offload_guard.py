@@ -83,3 +83,48 @@ def guard_plan(model: nn.Module, kinds: Iterable[str], optimizer: str | float = 
     host_ram_guard(sum(f.values()), f"{' + '.join('offload:' + k for k in sorted(kinds))} ({parts}; pinned "
                    "blocks rounded up to a power of two)", available=available)
     return f
+
+
+def sharded_host_footprint(model: nn.Module, ranks: int, optimizer: str | float = "adamw",
+                           pinned: bool = True) -> dict[str, int]:
+    """Host RAM that ``ranks`` processes of ``zero:3`` with offload take on one machine, by category.
+    Each rank builds the whole model in host RAM before ``fully_shard`` (``model``: fp32, unpinned),
+    then FSDP2's ``CPUOffloadPolicy`` keeps its shard (dim 0 split in ``ranks``, padded) of every
+    parameter and gradient (pinned on CUDA, each block rounded up) and of the optimizer state in host RAM.
+
+    >>> from colabkit.models import build_model
+    >>> one, two = (sum(sharded_host_footprint(build_model("gpt:2x32"), n).values()) for n in (1, 2))
+    >>> 1.1 < two / one < 1.5    # the shards of two ranks add up to one copy; each rank builds the whole model
+    True
+    """
+    out = dict.fromkeys(("model", "params", "grads", "optimizer"), 0)
+    rounded = pinned_bytes if pinned else (lambda n: n)
+    for p in model.parameters():
+        out["model"] += p.numel() * p.element_size()
+        rows = p.shape[0] if p.dim() else 1
+        shard = -(-rows // ranks) * (p.numel() // max(rows, 1))  # FSDP2 pads dim 0 to a multiple of ranks
+        out["params"] += rounded(shard * p.element_size())
+        if p.requires_grad:
+            out["grads"] += rounded(shard * p.element_size())
+            full = host_footprint(_One(p), ["optimizer"], optimizer)["optimizer"]
+            out["optimizer"] += -(-full // ranks)
+    return {k: v * ranks for k, v in out.items()}
+
+
+class _One(nn.Module):
+    """One parameter as a module (host_footprint's formula per parameter)."""
+
+    def __init__(self, p: torch.Tensor):
+        super().__init__()
+        self.p = nn.Parameter(p.detach(), requires_grad=True)
+
+
+def guard_sharded(model: nn.Module, ranks: int, optimizer: str | float = "adamw", pinned: bool = True,
+                  available: int | None = None) -> dict[str, int]:
+    """The host-RAM guard of ``zero:3`` with offload: :func:`sharded_host_footprint` of all ``ranks`` on this
+    machine against the RAM available, before FSDP2 moves anything; raises PlanError naming it."""
+    f = sharded_host_footprint(model, ranks, optimizer, pinned)
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in f.items() if v)
+    host_ram_guard(sum(f.values()), f"zero:3 shards to host RAM on {ranks} ranks of this machine ({parts}; each "
+                   "rank builds the full model first)", available=available)
+    return f

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any, Iterator
 
@@ -148,14 +149,39 @@ class HostOptimizer(WrappedOptimizer):
 def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Context) -> HostOptimizer:
     groups = optimizer.param_groups  # host RAM was guarded for the whole plan in _prepare
     pair = pair_of(model, ctx.device)
-    cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
-                      weight_decay=ctx.weight_decay)
-    make = lambda hg: REGISTRY[plan.optimizer].make_optimizer(hg, plan, cpu_ctx)  # noqa: E731
     # the groups as the Trainer made them (param_groups: decay or not), not as the optimizer rewrote them
     # (adafactor rescales weight_decay to its relative lr: rescaled twice, the decay was ~1000x too small)
     plain_groups = [{"params": g["params"], "weight_decay": ctx.weight_decay if g.get("weight_decay") else 0.0}
                     for g in groups]
+
+    def make(host_groups: list[dict]) -> Any:
+        # optimizers that read the model (adam-mini: parameter names; galore: its linear layers) get it
+        # over the host copies they update
+        cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
+                          weight_decay=ctx.weight_decay, model=None)
+        try:
+            cpu_ctx.model = _host_mirror(model, plain_groups, host_groups)
+        except Exception as e:  # noqa: BLE001  (a model copy.deepcopy cannot take: only optimizers that read it care)
+            why = f"{type(e).__name__}: {e}"
+        try:
+            return REGISTRY[plan.optimizer].make_optimizer(host_groups, plan, cpu_ctx)
+        except PlanError:
+            if cpu_ctx.model is not None:
+                raise
+            raise PlanError(f"'{plan.optimizer_token}' with 'offload:optimizer' reads the model, and offload:optimizer "
+                            f"needs its structure over the host copies of the weights, which this model does not "
+                            f"allow ({why}): drop offload:optimizer, or use adamw") from None
     return HostOptimizer(plain_groups, make, pair)
+
+
+def _host_mirror(model: nn.Module, groups: list[dict], host_groups: list[dict]) -> nn.Module:
+    """``model``'s module structure (names, layers, config) over the host copies of its trainable
+    parameters; frozen parameters and buffers are shared, not copied (``copy.deepcopy`` with a memo)."""
+    memo: dict[int, Any] = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    for g, hg in zip(groups, host_groups):
+        for p, h in zip(g["params"], hg["params"]):
+            memo[id(p)] = h
+    return copy.deepcopy(model, memo)
 
 
 class HostStateOptimizer(WrappedOptimizer):
