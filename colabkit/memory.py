@@ -499,6 +499,7 @@ class MemoryTracker(Ledger):
             "allocated": now,
             "phase_peak": pmax,
             "categories": cats if self.categories else None,
+            "category_peaks": self._phase_category_peaks() if self.categories else None,  # within the phase
             "reserved": None,
             "host_rss": host_ram()["rss"],
         }
