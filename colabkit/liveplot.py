@@ -38,50 +38,90 @@ def _x(samples: Sequence[dict]) -> tuple[list[float], float, str]:
     return xs, 1.0 / slots, "optimizer step (its phases side by side)"
 
 
-def _phase_bands(ax, samples: Sequence[dict], xs: list[float], width: float) -> None:
-    """Shade each sample's slot (x - width, x] by the phase that ended at its right edge (a sample is
-    taken as a phase ends), and name each phase used once in the legend."""
+PHASE_STEPS = 4   # up to this many steps, each phase has a slot of its own; more: one slot per step
+MAX_SLOTS = 12    # more steps than this: a slot per group of steps, so a long run stays readable
+ABBR = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "eval": "eval"}
+
+
+def _slots(samples: Sequence[dict]) -> tuple[list[tuple[float, float, str | None, list[dict]]], str]:
+    """``([(x0, x1, phase, samples)], x label)``: where each slot of the x axis (in optimizer steps) starts
+    and ends and the samples it shows. While a run has at most :data:`PHASE_STEPS` steps each sample (a
+    phase) is a slot of its own (:func:`_x`'s equal slots); a longer run gets one slot per step, or per
+    group of steps past :data:`MAX_SLOTS`, whose values are the peaks over its phases (``phase`` None).
+
+    >>> s = [{"step": k, "phase": p} for k in range(30) for p in ("forward", "backward", "optimizer")]
+    >>> slots, label = _slots(s); len(slots), slots[0][:3], label
+    (10, (0, 3, None), 'optimizer step (peak over each 3 steps)')
+    """
+    steps = sorted({s.get("step", 0) for s in samples})
+    if len(steps) <= PHASE_STEPS:
+        xs, width, label = _x(samples)
+        return [(x - width, x, s.get("phase"), [s]) for s, x in zip(samples, xs)], label
+    per = -(-len(steps) // MAX_SLOTS)  # steps per slot
+    groups: dict[int, list[dict]] = {}
+    for s in samples:
+        groups.setdefault((s.get("step", 0) - steps[0]) // per, []).append(s)
+    slots = [(steps[0] + g * per, steps[0] + (g + 1) * per, None, rows) for g, rows in sorted(groups.items())]
+    return slots, ("optimizer step (peak over each step's phases)" if per == 1 else
+                   f"optimizer step (peak over each {per} steps)")
+
+
+def _phase_bands(ax, slots) -> None:
+    """Shade each phase's slot in its colour and name each phase used once in the legend (slots of
+    several phases, in a long run, are not shaded)."""
     used = []
-    for s, x in zip(samples, xs):
-        color = PHASE_COLORS.get(s.get("phase"))
+    for x0, x1, phase, _ in slots:
+        color = PHASE_COLORS.get(phase)
         if color:
-            ax.axvspan(x - width, x, color=color, lw=0, zorder=0, label=f"{s['phase']} phase" if s["phase"] not in used else None)
-            if s["phase"] not in used:
-                used.append(s["phase"])
+            ax.axvspan(x0, x1, color=color, lw=0, zorder=0, label=f"{phase} phase" if phase not in used else None)
+            if phase not in used:
+                used.append(phase)
 
 
-HOST_RAM_NOTE = ("host RAM (right axis): resident memory of this whole process\n"
-                 "(Python, libraries, data loading; on a CPU run also the model)")
+def _legend_outside(ax, handles=None, labels=None, x: float = 1.01) -> None:
+    """The legend to the right of the axes, outside the data (``x`` in axes widths, past a twin axis's labels)."""
+    args = (handles, labels) if handles is not None else ()
+    ax.legend(*args, loc="upper left", bbox_to_anchor=(x, 1.0), fontsize=7, borderaxespad=0.0)
+
+
+HOST_RAM_NOTE = ("host RAM (right axis):\nresident memory of this whole process\n"
+                 "(Python, libraries, data;\non a CPU also the model)")
 
 
 def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USABLE_BYTES, title: str = "") -> None:
     """Device memory over time: the within-phase peak (and CUDA's reserved), phases shaded and named
     in the legend, the budget when on scale, host RAM (RSS) on a second axis in its own units with
     room above it. Each value holds over the phase that ended at its sample (a step line drawn from the
-    start of the first phase, so the first forward is drawn too)."""
+    start of the first phase, so the first forward is drawn too); a long run shows each step's (or group
+    of steps') peak instead (:func:`_slots`)."""
     samples = _in_steps(samples) or list(samples)
-    xs, width, xlabel = _x(samples)
-    _phase_bands(ax, samples, xs, width)
-    alloc = [max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0) for s in samples]
-    reserved = [s.get("reserved") or 0 for s in samples]
+    slots, xlabel = _slots(samples)
+    _phase_bands(ax, slots)
+
+    def peak(key):  # each slot's largest value of key(sample)
+        return [max(key(s) for s in rows) for _, _, _, rows in slots]
+
+    alloc = peak(lambda s: max(s.get("phase_peak") or 0, s.get("allocated_cuda") or 0, s.get("phase_peak_cuda") or 0))
+    reserved = peak(lambda s: s.get("reserved") or 0)
     top = max(alloc + reserved + [1])
     unit, size = byte_unit(top)
-    x0 = [xs[0] - width] + xs  # the leading point: the first phase's interval starts one slot earlier
+    x0 = [slots[0][0]] + [x1 for _, x1, _, _ in slots]  # the leading point: where the first slot starts
+    in_what = "phase" if slots[0][2] is not None or len(slots) == 1 else "step"
     ax.step(x0, [alloc[0] / size] + [a / size for a in alloc], where="pre", color="#c44e52", lw=1.8,
-            label="allocated (peak in phase)")
+            label=f"allocated (peak in {in_what})")
     if any(reserved):
         ax.step(x0, [reserved[0] / size] + [r / size for r in reserved], where="pre", color="#4c72b0", lw=1.2,
                 label="reserved (CUDA cache)")
     _budget(ax, budget_bytes, top, size)
     drawn_budget = bool(budget_bytes) and budget_bytes <= 4 * top
     ax.set_ylim(0, 1.15 * max(top, budget_bytes if drawn_budget else 0) / size)
-    ax.set_xlim(x0[0], xs[-1])
+    ax.set_xlim(x0[0], x0[-1])
     integer_ticks(ax)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"device memory ({unit})")
-    ax.set_title(title or "device memory by phase", fontsize=9)
+    ax.set_title(title or f"device memory by {in_what}", fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
-    rss = [s.get("host_rss") or 0 for s in samples]
+    rss = peak(lambda s: s.get("host_rss") or 0)
     if any(rss):
         hunit, hsize = byte_unit(max(rss))
         ax2 = ax.twinx()
@@ -90,42 +130,66 @@ def draw_timeline(ax, samples: Sequence[dict], budget_bytes: int | None = T4_USA
         ax2.set_ylim(0, 1.25 * max(rss) / hsize)  # headroom: the line is not clipped by the frame
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.2 if any(rss) else 1.01, 1.0), fontsize=7)
+    _legend_outside(ax, handles, labels, x=1.16 if any(rss) else 1.01)
+
+
+def category_peaks(samples: Sequence[dict]) -> tuple[list[tuple[float, float, str | None, list[dict]]], list[dict[str, int]]]:
+    """The slots of :func:`_slots` and, for each, every category's peak within it in bytes: the tracker's
+    ``category_peaks`` of each phase (its peak during the phase, replayed with final categories; ``other``
+    included), the largest over the phases of a slot that holds several. Samples without them (an old
+    timeline) fall back to the categories live at the phase's end."""
+    rows = [s for s in _in_steps(samples) if s.get("category_peaks") or s.get("categories")]
+    if not rows:
+        raise ValueError("no per-category samples: track with categories=True (the default)")
+    slots, _ = _slots(rows)
+    peaks = [{c: max((s.get("category_peaks") or s["categories"]).get(c, 0) for s in group) for c in CATEGORIES}
+             for _, _, _, group in slots]
+    return slots, peaks
 
 
 def draw_categories(ax, samples: Sequence[dict], budget_bytes: int | None = None, title: str = "") -> None:
-    """Memory over time by category as stacked areas (parameters flat, activations rising in forward
-    and falling in backward, gradients appearing, optimizer state from the first step), phases shaded.
-    Samples are taken at phase boundaries, so each area steps from one boundary to the next."""
-    rows = [s for s in _in_steps(samples) if s.get("categories")]
-    if not rows:
-        raise ValueError("no per-category samples: track with categories=True (the default)")
-    xs, width, xlabel = _x(rows)
-    _phase_bands(ax, rows, xs, width)
-    top = max(sum(s["categories"].values()) for s in rows) or 1
+    """Each category's peak within each phase (``other`` included), as the tracker measured it: one group
+    of bars per phase, a bar per category (parameters level, activations peaking in forward and backward,
+    gradients and temporaries in backward, optimizer state from the first step). A long run groups by
+    step, or by several steps (:func:`_slots`). Peaks of different categories can fall at different
+    moments of a phase, so the bars are side by side, not stacked."""
+    slots, peaks = category_peaks(samples)
+    top = max(max(p.values()) for p in peaks) or 1
     unit, size = byte_unit(top)
-    # each boundary's value holds over the phase that ended there (step="pre"), from one slot earlier
-    xs = [xs[0] - width] + xs
-    ys = [[s["categories"][c] / size for s in rows[:1] + rows] for c in CATEGORIES]
-    ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=list(CATEGORIES), step="pre",
-                 alpha=0.9, zorder=2)
+    n = len(CATEGORIES)
+    for j, c in enumerate(CATEGORIES):
+        ax.bar([x0 + (x1 - x0) * (0.1 + 0.8 * (j + 0.5) / n) for x0, x1, _, _ in slots],
+               [p[c] / size for p in peaks], width=[(x1 - x0) * 0.8 / n for x0, x1, _, _ in slots],
+               color=CATEGORY_COLORS[c], label=c, zorder=2)
     _budget(ax, budget_bytes, top, size)
     ax.set_ylim(0, 1.1 * top / size)
-    ax.set_xlim(xs[0], xs[-1])
-    integer_ticks(ax)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"live memory ({unit})")
-    ax.set_title(title or "memory by category over time", fontsize=9)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.set_xlim(slots[0][0], slots[-1][1])
+    centres = [(x0 + x1) / 2 for x0, x1, _, _ in slots]
+    if slots[0][2] is not None:  # a slot per phase: name it, and the step under its first phase
+        first = {}
+        for i, (_, _, _, (s,)) in enumerate(slots):
+            first.setdefault(s.get("step", 0), i)
+        names = [ABBR.get(ph, ph) + (f"\nstep {s.get('step', 0)}" if first[s.get("step", 0)] == i else "")
+                 for i, (_, _, ph, (s,)) in enumerate(slots)]
+        ax.set_xticks(centres, names, fontsize=7)
+        ax.set_xlabel("phase of each optimizer step")
+    else:
+        ax.set_xticks(centres, [f"{x0:g}" if x1 - x0 == 1 else f"{x0:g}–{x1 - 1:g}" for x0, x1, _, _ in slots],
+                      fontsize=7)
+        ax.set_xlabel("optimizer step" if slots[0][1] - slots[0][0] == 1 else "optimizer steps (grouped)")
+    what = "phase" if slots[0][2] is not None else "step"
+    ax.set_ylabel(f"peak within the {what} ({unit})")
+    ax.set_title(title or f"each category's peak in each {what}", fontsize=9)
+    _legend_outside(ax)
 
 
 def plot_timeline(samples: Sequence[dict], budget_bytes: int | None = None, title: str = "", categories: bool = True):
     """A tracker's timeline (``tracker.timeline``, or the samples a live plot collected) as one figure:
-    device memory by phase (:func:`draw_timeline`) and, when the samples carry categories, the stacked
-    categories beside it (:func:`draw_categories`). Returns the figure, for :func:`show`."""
+    device memory by phase (:func:`draw_timeline`) and, when the samples carry categories, each
+    category's peak in each phase beside it (:func:`draw_categories`). Returns the figure, for :func:`show`."""
     plt = _plt()
     two = categories and any(s.get("categories") for s in _in_steps(samples))
-    fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.3), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if two else 1, figsize=(14 if two else 8, 3.6), squeeze=False)
     draw_timeline(axes[0][0], samples, budget_bytes, title)
     if two:
         draw_categories(axes[0][1], samples, None, "by category" + (f" — {title}" if title else ""))

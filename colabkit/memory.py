@@ -151,7 +151,8 @@ class MemoryTracker(Ledger):
         device: the device whose storages are counted (default: the model's, else cuda/cpu).
         budget_bytes: the budget for alerts and plots (default: the T4's usable memory, or the GPU's).
         alert_at: fraction of the budget that triggers a one-time warning naming the largest category.
-        on_sample: called with each timeline sample (the live plot uses it).
+        on_sample: called with each timeline sample (the live plot uses it): taken as a phase ends, with
+            ``phase_peak``, ``categories`` (live then) and ``category_peaks`` (each one's peak in the phase).
         categories: False skips the dispatch mode (CUDA stats only; no per-op overhead).
         record_history: on CUDA, record allocator history for :meth:`snapshot`.
         alloc_round: count each storage rounded up to this many bytes (the estimator's GPU profiles).
@@ -431,6 +432,7 @@ class MemoryTracker(Ledger):
             "allocated": now,
             "phase_peak": pmax,
             "categories": cats if self.categories else None,
+            "category_peaks": self._phase_category_peaks() if self.categories else None,  # within the phase
             "reserved": None,
             "host_rss": host_ram()["rss"],
         }

@@ -83,6 +83,7 @@ class Ledger:
             self._window_start = dict(cats)
             self._cat_now = cats
             self._cat_peak = dict(cats)
+            self._since_sample = dict(cats)  # each category's peak since the last sample: the phase it closes
             self._peak = sum(cats.values())
             self._at_peak = dict(cats)
             self._phase_at_peak = self._phase
@@ -115,6 +116,8 @@ class Ledger:
                     c = info.category
                     if cats[c] > self._cat_peak[c]:
                         self._cat_peak[c] = cats[c]
+                    if cats[c] > self._since_sample[c]:
+                        self._since_sample[c] = cats[c]
                     phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
                     if total > self._peak:
                         self._peak, self._at_peak = total, dict(cats)
@@ -132,6 +135,14 @@ class Ledger:
                     dead.append(key)
             for key in dead:
                 self._infos.pop(key, None)
+
+    def _phase_category_peaks(self) -> dict[str, int]:
+        """Each category's peak since the last call -- over the phase a sample closes, what it carried in
+        included -- replayed with the categories known now; the next phase starts from what is live."""
+        self._fold()
+        with self._lock:
+            out, self._since_sample = self._since_sample, dict(self._cat_now)
+        return out
 
     def current(self) -> dict[str, int]:
         """Bytes live now, by category."""

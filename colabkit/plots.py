@@ -16,10 +16,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from .chartstyle import (CATEGORY_COLORS, PHASE_COLORS, UNITS, _budget, _in_notebook, _in_steps, _plt,  # noqa: F401
-                         byte_unit, integer_ticks)
-from .liveplot import HOST_RAM_NOTE, LivePlot, draw_categories, draw_timeline, plot_timeline  # noqa: F401 (re-export)
+from . import chartstyle as _style, liveplot as _live
+from .chartstyle import _budget, _colors_used, _in_notebook, _in_steps, _legend_colors, _plt  # noqa: F401
 from .memory import CATEGORIES
+
+# colabkit.plots stays the one place a notebook imports charts from: the live plot (colabkit.liveplot) and
+# what every chart shares (colabkit.chartstyle) are this module's names too (assigned: public, not imported)
+LivePlot, HOST_RAM_NOTE, draw_timeline, draw_categories, plot_timeline = (
+    _live.LivePlot, _live.HOST_RAM_NOTE, _live.draw_timeline, _live.draw_categories, _live.plot_timeline)
+PHASE_COLORS, CATEGORY_COLORS, UNITS, byte_unit, integer_ticks, audit, show = (
+    _style.PHASE_COLORS, _style.CATEGORY_COLORS, _style.UNITS, _style.byte_unit, _style.integer_ticks, _style.audit,
+    _style.show)
 
 
 def run_title(model: str | None = None, plan: str | None = None, batch: int | None = None, seq: int | None = None,
@@ -272,101 +279,6 @@ def show_markdown(text: str) -> None:
         display(Markdown(text))
     else:
         print(text)
-
-
-# ----- the readability check every notebook figure passes -------------------------------------
-_UNIT_WORDS = ("(B)", "(KiB)", "(MiB)", "(GiB)", "(s)", "(%)", "(x)", "(ms)", "(bytes", "(tokens", "(steps", "(count",
-               "(loss", "(sequence", "(N)", "(rank", "(relative")
-
-
-def _colors_used(ax) -> set[str]:
-    """Colours of the data artists of an axes (lines with data, bars, areas, scatter points)."""
-    from matplotlib.collections import LineCollection
-    from matplotlib.colors import to_hex
-
-    used: set[str] = set()
-    for line in ax.get_lines():
-        if len(line.get_xdata()):  # empty lines exist only to carry a legend entry
-            # a markers-only line (error-bar caps) shows its marker colour, not its line colour
-            markers_only = line.get_linestyle() in ("None", "", " ")
-            used.add(to_hex(line.get_markeredgecolor() if markers_only else line.get_color()))
-    for patch in ax.patches:
-        if patch.get_visible():
-            used.add(to_hex(patch.get_facecolor()))
-    for coll in ax.collections:
-        # lines (error bars, vlines) are drawn in their edge colour; areas and markers in their face colour
-        fc = coll.get_edgecolor() if isinstance(coll, LineCollection) else coll.get_facecolor()
-        if len(fc):
-            used.add(to_hex(fc[0]))
-    return used
-
-
-def _legend_colors(ax) -> set[str]:
-    from matplotlib.colors import to_hex
-
-    leg = ax.get_legend()
-    out: set[str] = set()
-    if leg is None:
-        return out
-    for h in leg.legend_handles:
-        for getter in ("get_color", "get_facecolor"):
-            c = getattr(h, getter, lambda: None)()
-            if c is None or isinstance(c, str) and c == "none" or not isinstance(c, str) and len(c) == 0:
-                continue
-            if not isinstance(c, str) and len(c) and hasattr(c[0], "__len__"):  # an array of RGBA rows
-                c = c[0]
-            out.add(to_hex(c))
-    return out
-
-
-def audit(fig) -> list[str]:
-    """What makes ``fig`` hard to read: an axes without x/y labels, no unit in parentheses on either
-    axis label, no title (axes or figure), or a colour drawn that no legend names. [] when fine.
-
-    >>> import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-    >>> fig, ax = plt.subplots(); _ = ax.plot([0, 1], [0, 1], color="red")
-    >>> audit(fig)[:2]
-    ['axes 0: no x label', 'axes 0: no title']
-    """
-    problems = []
-    suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else ""
-    axes = [ax for ax in fig.axes if ax.get_visible()]
-    twins = {id(b) for a in axes for b in axes if a is not b and a.bbox.bounds == b.bbox.bounds and axes.index(b) > axes.index(a)}
-    legend_colors = set().union(*[_legend_colors(ax) for ax in axes]) if axes else set()
-    for k, ax in enumerate(axes):
-        if not (ax.lines or ax.patches or ax.collections or ax.images):
-            continue
-        if id(ax) not in twins:
-            if not ax.get_xlabel():
-                problems.append(f"axes {k}: no x label")
-            if not ax.get_title() and not suptitle:
-                problems.append(f"axes {k}: no title")
-        ylabel = ax.get_ylabel()
-        if not ylabel:
-            problems.append(f"axes {k}: no y label")
-        elif "(" not in ylabel and "(" not in ax.get_xlabel():  # the value axis names its unit (x for barh)
-            problems.append(f"axes {k}: y label {ylabel!r} has no unit in parentheses")
-        missing = _colors_used(ax) - legend_colors
-        if missing:
-            problems.append(f"axes {k}: colours {sorted(missing)} are not in any legend")
-    return problems
-
-
-def show(fig=None) -> None:
-    """Check ``fig`` with :func:`audit` (an AssertionError names what a reader could not read), then
-    display it once: how every notebook shows a chart.
-
-    Returns None on purpose: a cell ending in ``show(fig)`` would otherwise display the returned figure a
-    second time (IPython shows a cell's last value); keep your own reference to ``fig`` to inspect it."""
-    plt = _plt()
-    fig = fig if fig is not None else plt.gcf()
-    problems = audit(fig)
-    assert not problems, "unreadable figure: " + "; ".join(problems)
-    if _in_notebook():
-        from IPython.display import display
-
-        display(fig)
-        plt.close(fig)
 
 
 # ---- notebooks 07-13 ----

@@ -241,6 +241,107 @@ def test_live_plot_redraws_only_what_is_new_and_throttles_to_its_cost(monkeypatc
     assert draws == [1, 2]
 
 
+# ----- the live plot shows what the tracker measured, legends outside, long runs readable (issue 37) -------
+def _tracked_run(steps, mlp=False, momentum=0.9, seq=32):
+    """A LivePlot fed by a MemoryTracker over ``steps`` SGD steps (forward, backward, optimizer phases) of
+    gpt-tiny or a small MLP (``mlp``: cheap enough for many steps), and the tracker's report."""
+    torch.manual_seed(0)
+    if mlp:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        x = torch.randn(4, seq, 64)
+    else:
+        model = colabkit.build_model("gpt-tiny")
+        x = torch.randint(0, 64, (4, seq))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum)
+    lp = LivePlot(display=False, title="t")
+    with colabkit.MemoryTracker(model, opt, device="cpu", on_sample=lp.update, alert_at=None) as mt:
+        for step in range(steps):
+            with mt.phase("forward", step):
+                out = model(x)
+                loss = out.square().mean() if mlp else torch.nn.functional.cross_entropy(out.flatten(0, 1), x.flatten())
+                del out
+            with mt.phase("backward", step):
+                loss.backward()
+                del loss
+            with mt.phase("optimizer", step):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return lp, mt.report()
+
+
+def _bars(ax) -> dict[str, list[float]]:
+    """Bar heights per category label, left to right."""
+    return {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+
+
+def test_category_panel_draws_each_categorys_peak_in_each_phase_as_the_tracker_measured():
+    lp, report = _tracked_run(1)
+    assert report["peak_phase"] == "backward"                  # the run the issue describes: peak in backward
+    fig = lp.figure()
+    ax = fig.axes[1]
+    assert "peak within the phase" in ax.get_ylabel() and audit(fig) == []
+    top = max(v for p in report["phase_peaks"].values() for v in p["own"].values())
+    unit, size = byte_unit(top)
+    bars = _bars(ax)
+    assert set(bars) == set(colabkit.CATEGORIES)               # other included
+    for i, phase in enumerate(("forward", "backward", "optimizer")):
+        own = report["phase_peaks"][phase]["own"]              # the tracker's per-phase replay of its ledger
+        assert {c: bars[c][i] * size for c in colabkit.CATEGORIES} == pytest.approx(own, rel=1e-9), phase
+    assert report["phase_peaks"]["backward"]["own"]["other"] > 0   # temporaries of backward, drawn
+    # negative control: what the old panel drew (categories live as the phase ended) is not the peak
+    bwd = next(s for s in lp.samples if s["phase"] == "backward")
+    assert bwd["categories"]["activations"] < bars["activations"][1] * size
+    assert bwd["categories"]["other"] < bars["other"][1] * size
+    plt.close(fig)
+
+
+def _overlaps_data(fig) -> list[str]:
+    """Legends whose box overlaps the data area of any axes of ``fig`` (drawn first)."""
+    fig.canvas.draw()
+    boxes = [ax.get_window_extent() for ax in fig.axes]
+    return [f"legend of axes {i}" for i, ax in enumerate(fig.axes)
+            if ax.get_legend() and any(ax.get_legend().get_window_extent().overlaps(b) for b in boxes)]
+
+
+def test_live_plot_legends_sit_outside_the_data(run):
+    lp, _ = run
+    fig = lp.figure()
+    assert sum(ax.get_legend() is not None for ax in fig.axes) == 2 and _overlaps_data(fig) == []
+    plt.close(fig)
+    fig, ax = plt.subplots()                                   # negative control: a legend inside the axes
+    ax.plot([0, 1], [0, 1], label="a")
+    ax.legend(loc="upper left")
+    assert _overlaps_data(fig) == ["legend of axes 0"]
+    plt.close(fig)
+
+
+def test_a_30_step_run_stays_readable():
+    from colabkit.liveplot import MAX_SLOTS
+
+    lp, _ = _tracked_run(30, mlp=True)
+    fig = lp.figure()
+    left, right = fig.axes[0], fig.axes[1]
+    assert len(left.patches) <= MAX_SLOTS                      # phase bands: none or one per slot, not 90 stripes
+    assert len(right.patches) <= MAX_SLOTS * len(colabkit.CATEGORIES)
+    labels = [t for t in right.get_xticklabels() if t.get_text()]
+    assert 1 < len(labels) <= MAX_SLOTS
+    fig.canvas.draw()
+    extents = [t.get_window_extent() for t in labels]
+    assert not any(a.overlaps(b) for a, b in zip(extents, extents[1:]))   # tick labels side by side, not on top
+    assert audit(fig) == [] and _overlaps_data(fig) == []
+    # each slot's bar is the largest of its steps' per-phase peaks (3 steps per slot at 30 steps)
+    rows = [s for s in lp.samples if s["phase"] not in ("setup", "end")]
+    first = max(s["category_peaks"]["activations"] for s in rows if s["step"] < 3)
+    unit, size = byte_unit(max(v for s in rows for v in s["category_peaks"].values()))
+    assert _bars(right)["activations"][0] * size == pytest.approx(first, rel=1e-9)
+    plt.close(fig)
+    # negative control: a 3-step run keeps a slot (and a band) per phase
+    lp3, _ = _tracked_run(3, mlp=True)
+    fig = lp3.figure()
+    assert len(fig.axes[0].patches) == 9 and len(fig.axes[1].patches) == 9 * len(colabkit.CATEGORIES)
+    plt.close(fig)
+
+
 def test_step_time_chart_and_results_table(records):
     from colabkit.timing import Timing
 
