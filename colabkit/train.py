@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
+from .feed import feed
 from .determinism import deterministic as deterministic_mode, seed_all
 from .alerts import HOST_LIMIT_BYTES, MemoryAlerts
 from .callbacks import LivePlotFeed, Run, as_callback
@@ -197,45 +198,43 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
     """
     if isinstance(plan, str) and plan.strip() == "auto":  # the fastest plan predicted to fit (colabkit.estimate.auto)
         return _train_auto(model, {k: v for k, v in locals().items() if k not in ("model", "plan")})
-    plan = Plan.parse(plan)
-    ck = _checkpointing(checkpointing, checkpoint_dir, checkpoint_every, checkpoint_minutes, keep, resume)
+    plan, ck = Plan.parse(plan), _checkpointing(checkpointing, checkpoint_dir, checkpoint_every, checkpoint_minutes, keep, resume)
     check_run(batch, seq, steps, plan, on_oom, ck.every, ck.resume, ck.dir, ck.minutes)
     check_device(device)
     if isinstance(model, str):
         check_context(model, seq)
-    dev = _device(device)
-    data = data or TextData()
+    source = feed(data, batch, seq, seed, _device(device), eval_every)  # step -> batch, from (seed, step) only
+    check_run(source.size, seq, steps, plan, on_oom)  # a batch dict's own size
     seed_all(seed)
-    run = Run(steps, batch, seq, seed, dev, model if isinstance(model, str) else None)
+    run = Run(steps, source.size, seq, seed, _device(device), model if isinstance(model, str) else None, source)
     run.callbacks = [OOMHandling(on_oom), MemoryAlerts(host_limit_bytes), *([ProgressBar()] if progress else []),
                      *([LivePlotFeed(live_plot)] if live_plot is not None else []), *map(as_callback, callbacks),
                      *([Logging(log, log_dir)] if log else []), *([ck] if ck.dir else [])]
-    run.tracker = MemoryTracker(device=dev, on_sample=run.on_sample, categories=track,
+    run.tracker = MemoryTracker(device=run.device, on_sample=run.on_sample, categories=track,
                                 budget_bytes=budget_bytes) if (track or live_plot) else None
     try:
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
-            model = load_model(model, plan, seq=seq, device=dev) if isinstance(model, str) else model
+            model = load_model(model, plan, seq=seq, device=run.device) if isinstance(model, str) else model
             _check_model(model, seq)
-            run.trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
+            run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
                                   tracker=run.tracker, offload_sim=offload_sim)
             run.fire("on_init_end")
             run.fire("on_train_begin")
             for step in range(run.step, steps):
                 run.fire("on_step_begin", step + 1)
-                x, y = data.batch(batch, seq, step=step, seed=seed, device=dev)
+                b = source.batch(step)
                 if run.tracker is not None:
                     run.tracker.set_step(step)
-                _sync(dev)
+                _sync(run.device)
                 t0 = time.perf_counter()
-                loss = _step(run.trainer, (x, y), run)
-                _sync(dev)
+                loss = _step(run.trainer, b, run)
+                _sync(run.device)
                 run.losses.append(loss)
                 run.step_times.append(time.perf_counter() - t0)
                 run.fire("on_step_end", {"step": step + 1, "loss": loss, "step_time_s": run.step_times[-1],
                                          "trainer": run.trainer})
                 if eval_every and (step + 1) % eval_every == 0:
-                    ex, ey = data.batch(batch, seq, step=10**9 + step, seed=seed, device=dev)
-                    run.evals.append((step + 1, run.trainer.evaluate(ex, ey)))
+                    run.evals.append((step + 1, run.trainer.evaluate(*source.eval_batch(step))))
                     run.fire("on_evaluate", *run.evals[-1])
     except BaseException as e:
         run.error = e
