@@ -154,7 +154,7 @@ def register_auto(fn: Callable[..., dict[str, Any]] | None) -> None:
     _AUTO = fn
 
 
-def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan | str = "baseline", steps: int = 100,
+def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan | str = "baseline", steps: int = 100,
           batch: int = 8, seq: int = 128, seed: int = 0, device: str | torch.device | None = None, lr: float = 3e-4,
           max_grad_norm: float | None = None, track: bool = True, live_plot: Any = None,
           callbacks: Iterable[Any] = (), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
@@ -214,7 +214,7 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
                                 budget_bytes=budget_bytes) if (track or live_plot) else None
     try:
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
-            model = load_model(model, plan, seq=seq, device=run.device) if isinstance(model, str) else model
+            model = _build(model, plan, seq, run.device)
             _check_model(model, seq)
             run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
                                   tracker=run.tracker, offload_sim=offload_sim)
@@ -243,6 +243,14 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
         if run.trainer is not None:
             run.fire("on_train_end")
     return _result(run)
+
+
+def _build(model: Any, plan: Plan, seq: int, device: torch.device) -> torch.nn.Module:
+    """The run's model: a name (:func:`load_model`), a function that builds it (called under the tracker), or
+    the model itself."""
+    if isinstance(model, str):
+        return load_model(model, plan, seq=seq, device=device)
+    return model() if callable(model) and not isinstance(model, torch.nn.Module) else model
 
 
 def _step(trainer: Trainer, batch: Any, run: Run) -> float:
