@@ -52,3 +52,16 @@ def test_trainer_auto_builds_the_planners_choice(few_candidates, monkeypatch, ca
     monkeypatch.setattr(sys.modules["colabkit.trainer"], "_AUTO_PLAN", None)  # no planner registered: said so
     with pytest.raises(PlanError, match="needs the planner"):
         Trainer(factory, "auto", device="cpu")
+
+
+def test_cli_train_plan_auto_on_your_own_factory(few_candidates, tmp_path, capsys):
+    src = tmp_path / "my_model.py"
+    src.write_text("from colabkit.models import build_model\n\n\ndef build():\n    return build_model('gpt:2x64')\n")
+    argv = ["train", "--model", f"{src}:build", "--plan", "auto", "--steps", "2", "--batch", "4", "--seq", "32",
+            "--device", "cpu", "--no-track", "--json", "-"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert r["plan"] in CANDIDATES and r["step"] == 2 and f"auto: {r['plan']}" in err
+    assert main([*argv[:2], f"{src}:nothing", *argv[3:]]) == 2  # a name the file does not define: one line
+    assert "has no function or model named 'nothing'" in capsys.readouterr().err
