@@ -166,6 +166,12 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
 
+    ``model``: a name (``gpt-tiny``, ``gpt:LxD``, ``hf:<id>``), your module, or a function that builds it.
+    ``data``: colabkit's corpus (default) or your own -- a list or map-style ``Dataset`` of batch dicts or of
+    examples (``batch`` of them per step), or a ``DataLoader`` (:mod:`colabkit.feed`); the batch of step ``s``
+    depends on (``seed``, ``s``) only, so a resumed run sees the batches it would have seen.
+    ``plan="auto"``: the fastest plan predicted to fit ``budget_bytes`` (:mod:`colabkit.estimate.auto`).
+
     The loop fires events (run start, step start/end, evaluation, save, out of memory, run end; see
     :mod:`colabkit.callbacks`) to one object per concern, and to a user's own objects in ``callbacks``
     (``on_train_begin``, ``on_step_end``, ... as in ``transformers.TrainerCallback``); a plain function there
@@ -198,7 +204,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     """
     if isinstance(plan, str) and plan.strip() == "auto":  # the fastest plan predicted to fit (colabkit.estimate.auto)
         return _train_auto(model, {k: v for k, v in locals().items() if k not in ("model", "plan")})
-    plan, ck = Plan.parse(plan), _checkpointing(checkpointing, checkpoint_dir, checkpoint_every, checkpoint_minutes, keep, resume)
+    plan = Plan.parse(plan)
+    ck = _checkpointing(checkpointing, checkpoint_dir, checkpoint_every, checkpoint_minutes, keep, resume)
     check_run(batch, seq, steps, plan, on_oom, ck.every, ck.resume, ck.dir, ck.minutes)
     check_device(device)
     if isinstance(model, str):
@@ -216,8 +223,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
             model = _build(model, plan, seq, run.device)
             _check_model(model, seq)
-            run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
-                                  tracker=run.tracker, offload_sim=offload_sim)
+            run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm,
+                                  model_name=run.model_name, tracker=run.tracker, offload_sim=offload_sim)
             run.fire("on_init_end")
             run.fire("on_train_begin")
             for step in range(run.step, steps):
