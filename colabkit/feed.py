@@ -2,7 +2,8 @@
 
 ``data`` is what people have: colabkit's own corpora (:class:`~colabkit.data.TextData`,
 :class:`~colabkit.instruct.InstructData`: anything with ``batch(batch, seq, step=, seed=, device=)``), a list
-or map-style ``Dataset`` of batch dicts (``input_ids`` (B, S), ``labels``, ...: one per step) or of examples
+or map-style ``Dataset`` (a Hugging Face ``datasets.Dataset`` too) of batch dicts (``input_ids`` (B, S),
+``labels``, ...: one per step) or of examples
 (``batch`` of them collated per step, 1-D sequences right-padded: ids 0, ``attention_mask`` 0, ``labels`` -100),
 or a ``DataLoader`` (its dataset, ``batch_size``, ``collate_fn`` and ``drop_last``; shuffled when it shuffles).
 Each epoch's order is a permutation drawn from (seed, epoch), so step ``s`` always gets the same batch: a run
@@ -130,7 +131,7 @@ def feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str 
 
 
 def _feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str) -> TextFeed | Feed:
-    if data is None or callable(getattr(data, "batch", None)) and not isinstance(data, torch.utils.data.DataLoader):
+    if data is None or _is_corpus(data):
         return TextFeed(data if data is not None else TextData(), batch, seq, seed, device)
     if isinstance(data, torch.utils.data.DataLoader):
         return _loader_feed(data, seed)
@@ -142,6 +143,18 @@ def _feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str
     if len(data) and is_batch(data[0]):
         return Feed(data, 1, seed, kind=kind)
     return Feed(data, batch, seed, collate_fn=collate, kind=kind)
+
+
+def _is_corpus(data: Any) -> bool:
+    """colabkit's corpus protocol: ``batch(batch, seq, step=, seed=, device=)`` (a Hugging Face ``Dataset``
+    has a ``batch(batch_size)`` of its own: it is a dataset of examples)."""
+    import inspect
+
+    fn = getattr(data, "batch", None)
+    try:
+        return callable(fn) and {"seq", "step"} <= set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
 
 
 def _loader_feed(loader: torch.utils.data.DataLoader, seed: int) -> Feed:

@@ -39,7 +39,14 @@ def batch_dicts():
              "labels": torch.stack([_window(4 * j + k) for k in range(4)])} for j in range(3)]
 
 
-DATA = {"list of batch dicts": batch_dicts, "Dataset of examples": Examples,
+def hf_dataset():
+    import datasets
+
+    rows = [Examples()[i] for i in range(10)]
+    return datasets.Dataset.from_dict({k: [r[k].tolist() for r in rows] for k in rows[0]})  # lists of ints
+
+
+DATA = {"list of batch dicts": batch_dicts, "Dataset of examples": Examples, "Hugging Face Dataset": hf_dataset,
         "DataLoader": lambda: torch.utils.data.DataLoader(Examples(), batch_size=4, shuffle=True)}
 
 
