@@ -63,7 +63,8 @@ def bench_table(result: dict) -> str:
 
 def _run_args(p: argparse.ArgumentParser, steps: int) -> None:
     """The arguments ``bench`` and ``train`` share (``--plan`` differs: several for bench, one for train)."""
-    p.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, gpt2-124m, ...), gpt:LxD, llama:LxD or hf:<id>")
+    p.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, gpt2-124m, ...), gpt:LxD, llama:LxD or hf:<id>; "
+                   "train also takes your own: FILE.py:FN or package.module:FN (a function building it)")
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the effective batch; default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence, at most the model's context (default %(default)s)")
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
@@ -129,8 +130,39 @@ def _env_cmd(args: argparse.Namespace) -> dict:
     return env()
 
 
+def model_arg(spec: str) -> Any:
+    """``--model`` of ``train``: a name, or your own model as ``FILE.py:FN`` / ``package.module:FN`` (a function
+    that builds it, or a module object of that name).
+
+    >>> model_arg("gpt:2x64"), model_arg("hf:gpt2")
+    ('gpt:2x64', 'hf:gpt2')
+    """
+    import importlib
+    import importlib.util
+    import re
+
+    m = re.match(r"^(?P<src>[^:]+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+):(?P<fn>[A-Za-z_]\w*)$", spec)
+    if m is None:
+        return spec
+    src, name = m["src"], m["fn"]
+    if src.endswith(".py"):
+        if not os.path.isfile(src):
+            raise ValueError(f"--model {spec}: no file {src!r}; give FILE.py:FUNCTION with the path of your file")
+        loaded = importlib.util.spec_from_file_location(os.path.basename(src)[:-3], src)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+    else:
+        module = importlib.import_module(src)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--model {spec}: {src} has no function or model named {name!r}")
+    return fn
+
+
 def _train_args(p: argparse.ArgumentParser) -> None:
     _run_args(p, steps=50)
+    p.add_argument("--budget-bytes", type=int, default=None, metavar="B",
+                   help="device memory budget: --plan auto picks a plan predicted to fit it; alerts near it")
     p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint, or auto: the fastest predicted to fit (default baseline)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
@@ -175,14 +207,14 @@ def _train(args: argparse.Namespace) -> dict:
                              batch=args.batch, seq=args.seq, seed=args.seed, device=args.device, lr=args.lr,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                              resume=bool(args.resume))
-    out = train(args.model, plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
+    out = train(model_arg(args.model), plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
                 resume=args.resume, progress=sys.stderr.isatty(), keep=args.keep, on_oom=args.on_oom,
                 track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim,
-                deterministic=det)
-    return {k: out[k] for k in ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks",
-                                "resumed_from", "simulated")}
+                deterministic=det, budget_bytes=args.budget_bytes)
+    keys = ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks", "resumed_from", "simulated")
+    return {"plan": out.get("plan"), **{k: out[k] for k in keys}}
 
 
 LIBRARY_LOGGERS = ("transformers", "peft", "accelerate", "bitsandbytes", "torchao", "huggingface_hub", "torch")

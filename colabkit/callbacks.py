@@ -99,6 +99,7 @@ class Run:
     seed: int = 0
     device: torch.device | None = None
     model_name: str | None = None
+    data: Any = None  # step -> batch (colabkit.feed)
     callbacks: list[Any] = field(default_factory=list)
     tracker: Any = None
     trainer: Any = None
@@ -118,7 +119,7 @@ class Run:
     @property
     def identity(self) -> dict[str, Any]:
         """The data settings a resumed run must share with its checkpoint (it then sees the same batches)."""
-        return {"batch": self.batch, "seq": self.seq, "seed": self.seed}
+        return {"batch": self.batch, "seq": self.seq, "seed": self.seed, **getattr(self.data, "identity", {})}
 
     @property
     def gpu(self) -> str | None:

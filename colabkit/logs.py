@@ -188,7 +188,11 @@ class Logging(Callback):
     """``train(log=..., log_dir=...)``: the loggers of :func:`make_loggers`, opened when the run begins (once
     the plan is accepted, so a refused plan leaves no empty log files; a resumed run continues its CSV from the
     checkpoint's step), a row per step, closed at the end (also when a step raised: the logs are complete and a
-    W&B run ended)."""
+    W&B run ended).
+
+    >>> Logging("csv").dir == os.path.join("runs", "colabkit")
+    True
+    """
 
     def __init__(self, log: str | Sequence[str], log_dir: str | None = None):
         self.log, self.dir = log, log_dir or os.path.join("runs", "colabkit")

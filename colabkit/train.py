@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
+from .feed import feed
 from .determinism import deterministic as deterministic_mode, seed_all
 from .alerts import HOST_LIMIT_BYTES, MemoryAlerts
 from .callbacks import LivePlotFeed, Run, as_callback
@@ -153,7 +154,7 @@ def register_auto(fn: Callable[..., dict[str, Any]] | None) -> None:
     _AUTO = fn
 
 
-def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan | str = "baseline", steps: int = 100,
+def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan | str = "baseline", steps: int = 100,
           batch: int = 8, seq: int = 128, seed: int = 0, device: str | torch.device | None = None, lr: float = 3e-4,
           max_grad_norm: float | None = None, track: bool = True, live_plot: Any = None,
           callbacks: Iterable[Any] = (), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
@@ -164,6 +165,12 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
           ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps of ``batch`` sequences (the effective batch) and return
     the loss curve, step times, memory report and a hash of the final weights.
+
+    ``model``: a name (``gpt-tiny``, ``gpt:LxD``, ``hf:<id>``), your module, or a function that builds it.
+    ``data``: colabkit's corpus (default) or your own -- a list or map-style ``Dataset`` of batch dicts or of
+    examples (``batch`` of them per step), or a ``DataLoader`` (:mod:`colabkit.feed`); the batch of step ``s``
+    depends on (``seed``, ``s``) only, so a resumed run sees the batches it would have seen.
+    ``plan="auto"``: the fastest plan predicted to fit ``budget_bytes`` (:mod:`colabkit.estimate.auto`).
 
     The loop fires events (run start, step start/end, evaluation, save, out of memory, run end; see
     :mod:`colabkit.callbacks`) to one object per concern, and to a user's own objects in ``callbacks``
@@ -203,39 +210,38 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
     check_device(device)
     if isinstance(model, str):
         check_context(model, seq)
-    dev = _device(device)
-    data = data or TextData()
+    source = feed(data, batch, seq, seed, _device(device), eval_every)  # step -> batch, from (seed, step) only
+    check_run(source.size, seq, steps, plan, on_oom)  # a batch dict's own size
     seed_all(seed)
-    run = Run(steps, batch, seq, seed, dev, model if isinstance(model, str) else None)
+    run = Run(steps, source.size, seq, seed, _device(device), model if isinstance(model, str) else None, source)
     run.callbacks = [OOMHandling(on_oom), MemoryAlerts(host_limit_bytes), *([ProgressBar()] if progress else []),
                      *([LivePlotFeed(live_plot)] if live_plot is not None else []), *map(as_callback, callbacks),
                      *([Logging(log, log_dir)] if log else []), *([ck] if ck.dir else [])]
-    run.tracker = MemoryTracker(device=dev, on_sample=run.on_sample, categories=track,
+    run.tracker = MemoryTracker(device=run.device, on_sample=run.on_sample, categories=track,
                                 budget_bytes=budget_bytes) if (track or live_plot) else None
     try:
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
-            model = load_model(model, plan, seq=seq, device=dev) if isinstance(model, str) else model
+            model = _build(model, plan, seq, run.device)
             _check_model(model, seq)
-            run.trainer = Trainer(model, plan, device=dev, lr=lr, max_grad_norm=max_grad_norm, model_name=run.model_name,
-                                  tracker=run.tracker, offload_sim=offload_sim)
+            run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm,
+                                  model_name=run.model_name, tracker=run.tracker, offload_sim=offload_sim)
             run.fire("on_init_end")
             run.fire("on_train_begin")
             for step in range(run.step, steps):
                 run.fire("on_step_begin", step + 1)
-                x, y = data.batch(batch, seq, step=step, seed=seed, device=dev)
+                b = source.batch(step)
                 if run.tracker is not None:
                     run.tracker.set_step(step)
-                _sync(dev)
+                _sync(run.device)
                 t0 = time.perf_counter()
-                loss = _step(run.trainer, (x, y), run)
-                _sync(dev)
+                loss = _step(run.trainer, b, run)
+                _sync(run.device)
                 run.losses.append(loss)
                 run.step_times.append(time.perf_counter() - t0)
                 run.fire("on_step_end", {"step": step + 1, "loss": loss, "step_time_s": run.step_times[-1],
                                          "trainer": run.trainer})
                 if eval_every and (step + 1) % eval_every == 0:
-                    ex, ey = data.batch(batch, seq, step=10**9 + step, seed=seed, device=dev)
-                    run.evals.append((step + 1, run.trainer.evaluate(ex, ey)))
+                    run.evals.append((step + 1, run.trainer.evaluate(*source.eval_batch(step))))
                     run.fire("on_evaluate", *run.evals[-1])
     except BaseException as e:
         run.error = e
@@ -244,6 +250,14 @@ def train(model: torch.nn.Module | str, data: TextData | None = None, plan: Plan
         if run.trainer is not None:
             run.fire("on_train_end")
     return _result(run)
+
+
+def _build(model: Any, plan: Plan, seq: int, device: torch.device) -> torch.nn.Module:
+    """The run's model: a name (:func:`load_model`), a function that builds it (called under the tracker), or
+    the model itself."""
+    if isinstance(model, str):
+        return load_model(model, plan, seq=seq, device=device)
+    return model() if callable(model) and not isinstance(model, torch.nn.Module) else model
 
 
 def _step(trainer: Trainer, batch: Any, run: Run) -> float:

@@ -57,6 +57,24 @@ def load_model(name: str, plan: Plan | str = "baseline", seq: int | None = None,
     return build_model(name, seq=seq, device=dev)
 
 
+# plan="auto": the planner (colabkit.estimate, above the Trainer) registers what picks the plan for a model
+_AUTO_PLAN: Callable[..., str] | None = None
+
+
+def register_auto_plan(fn: Callable[..., str] | None) -> None:
+    """Install ``fn(model, device=..., model_name=...) -> plan`` for ``Trainer(model, "auto")``
+    (:func:`colabkit.estimate.auto.auto_plan` registers itself: the Trainer never imports the planner)."""
+    global _AUTO_PLAN
+    _AUTO_PLAN = fn
+
+
+def auto_plan(model: torch.nn.Module | ModelFn, device: str | torch.device | None = None, model_name: str | None = None) -> str:
+    """The plan ``"auto"`` stands for on ``model`` (the registered planner's choice)."""
+    if _AUTO_PLAN is None:
+        raise PlanError("plan='auto' needs the planner: import colabkit (colabkit.estimate registers it)")
+    return _AUTO_PLAN(model, device=device, model_name=model_name)
+
+
 class Trainer:
     """A model with a plan applied, ready to take optimizer steps.
 
@@ -80,7 +98,8 @@ class Trainer:
         loss_fn: LossFn | None = None,
         task: str | None = None,
     ):
-        self.plan = Plan.parse(plan)
+        self.plan = Plan.parse(auto_plan(model, device, model_name) if str(plan).strip() == "auto" else plan)
+        model = model() if callable(model) and not isinstance(model, torch.nn.Module) else model  # a factory
         # loss_fn(outputs, labels, num_items_in_batch) -> loss / num_items_in_batch (transformers' compute_loss_func);
         # task: the head's loss convention when it cannot be told from the model (colabkit.batches.HEADS)
         self.loss_fn, self.task = loss_fn, task

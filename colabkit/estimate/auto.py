@@ -21,6 +21,7 @@ from ..memory import fmt_bytes
 from ..oom import is_oom
 from ..plan import PlanError
 from ..train import register_auto, train
+from ..trainer import register_auto_plan
 from .planner import plans
 
 
@@ -44,15 +45,27 @@ def choose(model: Any, batch: int, seq: int, gpu: str | None = "t4", device: str
     return {"plan": best["plan"], "why": why, "ranked": [r["plan"] for r in ok], "rows": ok}
 
 
+def _choose(model: Any, *a: Any, **kw: Any) -> dict[str, Any]:
+    """:func:`choose`; a built module is estimated as the estimator estimates one (``estimate(module)``), and
+    where it cannot be, the error says what to pass instead."""
+    try:
+        return choose(model, *a, **kw)
+    except PlanError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the estimator could not take this module)
+        if not isinstance(model, torch.nn.Module):
+            raise
+        raise PlanError(f"plan='auto' could not estimate this built {type(model).__name__} ({type(e).__name__}: {e}): "
+                        "pass its name (e.g. 'gpt2-124m') or a function that builds it") from e
+
+
 def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
     """``train(model, plan="auto", **kw)``: :func:`choose` for this run's model, batch, sequence and GPU, then
     the chosen plan with ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
     dev = torch.device(kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
-    if isinstance(model, torch.nn.Module):
-        raise PlanError("plan='auto' estimates the model before building it: pass its name (e.g. 'gpt2-124m') "
-                        "or a function that builds it, not a built module")
-    choice = choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu")
+    choice = _choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu",
+                     budget_bytes=kw.get("budget_bytes"))  # the run's budget
     print(f"colabkit: {choice['why']}")
     return run_ranked(model, choice, **kw)
 
@@ -73,4 +86,17 @@ def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
     raise PlanError("plan='auto': no candidate plan")  # unreachable: choose() returns at least one
 
 
+def auto_plan(model: Any, device: Any = None, model_name: str | None = None, batch: int = 8, seq: int = 128,
+              budget_bytes: int | None = None) -> str:
+    """What ``Trainer(model, "auto")`` trains with: :func:`choose` for ``model`` (a name, a factory or a module) on
+    this device, for ``batch`` x ``seq`` (the Trainer sees no batch before its first step: it says which it assumed)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
+    choice = _choose(model_name or model, batch, seq, gpu=gpu, device=None if gpu else "cpu", budget_bytes=budget_bytes)
+    print(f"colabkit: {choice['why']} (chosen for batch {batch} x seq {seq}: for your sizes use "
+          f"colabkit.choose_plan(model, batch, seq) or train(..., plan='auto', batch=..., seq=...))")
+    return choice["plan"]
+
+
 register_auto(train_auto)
+register_auto_plan(auto_plan)
