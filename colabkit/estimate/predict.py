@@ -27,7 +27,7 @@ from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
-from .zero import for_rank, shard_trace
+from .zero import for_rank, gathered_in_half, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
@@ -144,11 +144,12 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         if disk:
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         streamed = "params" in offload  # offload:params: block gradients leave for the host in the trace
-        with block_grads_to_host(streamed):
+        half = zero in (2, 3) and ("fp16" in plan or "bf16" in plan)  # FSDP2 gathers 16-bit parameters
+        with block_grads_to_host(streamed), gathered_in_half(half):
             t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                        CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes, t)  # plan: offload is bytes moved
-    _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
+    _shard(t, zero, world_size, half)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
@@ -257,9 +258,9 @@ def preset_vs_hub(name: str) -> str | None:
     return f"preset {name} vs hf:{PRESET_HUB[name]}: " + "; ".join(diffs) + f" -- estimate hf:{PRESET_HUB[name]} for the hub model"
 
 
-def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
+def _shard(t: dict[str, Any], stage: int | None, world_size: int, half: bool = False) -> None:
     """One rank of a sharded run (:func:`.zero.shard_trace`), so the rest of :func:`estimate` sees one rank."""
-    shard_trace(t, stage, world_size)
+    shard_trace(t, stage, world_size, half)
 
 
 def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:
