@@ -21,17 +21,24 @@ from ..memory import fmt_bytes
 from ..oom import is_oom
 from ..plan import PlanError
 from ..train import register_auto, train
+from .inputs import module_factory
 from .planner import plans
 
 
 def choose(model: Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,
-           candidates: Iterable[str] | None = None, budget_bytes: int | None = None) -> dict[str, Any]:
+           candidates: Iterable[str] | None = None, budget_bytes: int | None = None,
+           inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fastest predicted plan that fits: ``{"plan", "why", "ranked", "rows"}`` (``ranked``: the plans
-    that fit, fastest first -- the order :func:`train_auto` falls back through)."""
-    rows = [r for r in plans(model, batch, seq, gpu, device, candidates, budget_bytes) if not r.get("error")]
+    that fit, fastest first -- the order :func:`train_auto` falls back through). ``model``: a name, a
+    function that builds it, or the built module (estimated on a copy of its shapes); ``inputs``: its batch
+    described as :func:`~colabkit.estimate.estimate` takes it."""
+    if isinstance(model, torch.nn.Module):  # one shapes-only copy per estimate, never the weights
+        model = module_factory(model)
+    rows = [r for r in plans(model, batch, seq, gpu, device, candidates, budget_bytes, inputs) if not r.get("error")]
     ok = [r for r in rows if r.get("verdict", "fits" if r["fits"] else "") == "fits"] or [r for r in rows if r["fits"]]
     if not ok:
-        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {model} at batch {batch} x seq {seq} "
+        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {getattr(model, '__name__', model)} at "
+                        f"batch {batch} x seq {seq} "
                         f"on {gpu or device}: try a smaller batch or sequence (python -m colabkit plan lists them)")
     ok.sort(key=lambda r: -r["tokens_per_s"])
     best = ok[0]
@@ -45,14 +52,13 @@ def choose(model: Any, batch: int, seq: int, gpu: str | None = "t4", device: str
 
 
 def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
-    """``train(model, plan="auto", **kw)``: :func:`choose` for this run's model, batch, sequence and GPU, then
-    the chosen plan with ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
+    """``train(model, plan="auto", **kw)``: :func:`choose` for this run's model (a name, a function that
+    builds it, or the built module), batch, sequence, GPU and ``budget_bytes``, then the chosen plan with
+    ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
     dev = torch.device(kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
-    if isinstance(model, torch.nn.Module):
-        raise PlanError("plan='auto' estimates the model before building it: pass its name (e.g. 'gpt2-124m') "
-                        "or a function that builds it, not a built module")
-    choice = choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu")
+    choice = choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu",
+                    budget_bytes=kw.get("budget_bytes"))
     print(f"colabkit: {choice['why']}")
     return run_ranked(model, choice, **kw)
 
@@ -60,9 +66,10 @@ def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
 def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
     """Train with ``choice["ranked"]``'s plans in turn until one runs without an out-of-memory."""
     kw["on_oom"] = "shrink"
+    built = isinstance(model, (str, torch.nn.Module)) or not callable(model)
     for i, p in enumerate(choice["ranked"]):
         try:
-            out = train(model, plan=p, **kw)
+            out = train(model if built else model(), plan=p, **kw)  # train takes a name or a module
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err) or i + 1 == len(choice["ranked"]):
                 raise

@@ -31,7 +31,7 @@ from .zero import for_rank, gathered_in_half, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
-from .inputs import batch_shape, described
+from .inputs import batch_shape, described, module_factory
 from .trace import CUDA_ALLOC_ROUND, block_grads_to_host, trace_with_substitutes
 
 
@@ -94,7 +94,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
 
     ``model_fn``: a preset or ``hf:<id>`` name, any function returning an ``nn.Module`` (its forward may
     return a tensor, a tuple or a ``ModelOutput``; the loss is computed as :class:`colabkit.Trainer` does),
-    or a transformers model config. ``inputs`` describes your batch -- each key a sample tensor or a
+    a built ``nn.Module`` (measured on a copy made of shapes only: :func:`.inputs.module_factory`), or a
+    transformers model config. ``inputs`` describes your batch -- each key a sample tensor or a
     ``(shape, dtype)`` pair, e.g. ``{"pixel_values": ((8, 3, 224, 224), torch.float32), "labels": ((8,),
     torch.long)}`` -- instead of (batch, seq) token ids; batch and seq are then read from it. ``args``, a
     transformers ``TrainingArguments``, gives the loop-side plan and the batch (:func:`plan_of_arguments`;
@@ -122,6 +123,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         batch, seq = batch_shape(inputs)
     if type(model_fn).__name__.endswith("Config") and hasattr(model_fn, "model_type"):  # a transformers config
         model_fn = from_config(model_fn)
+    if isinstance(model_fn, torch.nn.Module):  # your built model: measured on a copy made of shapes only
+        model_fn = module_factory(model_fn)
     profile = _profile(gpu, device)
     if (depth := hub_depth(model_fn)) is not None:  # 80 blocks of a 70B model: two shallow traces, extrapolated
         r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
