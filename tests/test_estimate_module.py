@@ -73,3 +73,28 @@ def test_choose_plan_and_train_auto_take_a_module_or_a_factory_within_a_budget(c
         assert out["plan"] in c["ranked"] and peak <= budget, (out["plan"], peak)
         assert out["report"]["breakdown"]["params"] >= 4 * sum(p.numel() for p in make().parameters())  # all counted
     assert "colabkit: auto: " in capsys.readouterr().out
+
+
+def test_hf_local_folder_loads_before_any_hub_lookup(tmp_path, monkeypatch):
+    """hf:<folder> (from_pretrained's convention: a folder with config.json) with the hub unreachable: the
+    estimate is the folder's model's (within 5% of the measured peak of the same architecture), build_model
+    loads the folder's weights (the saved model's hash). Control: a folder without config.json is looked up
+    as a hub id and refused offline."""
+    import colabkit.models as models
+    from colabkit.models import HubError
+
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "offline (test)")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    saved = build_model("llama:2x64")
+    config_only, with_weights = tmp_path / "config_only", tmp_path / "weights"
+    saved.config.save_pretrained(config_only)
+    saved.save_pretrained(with_weights)
+    batch = _lm_batch(saved.config.vocab_size)
+    r = estimate(f"hf:{config_only}", inputs=batch, device="cpu", gpu=None)
+    assert r["params"] == sum(p.numel() for p in saved.parameters())
+    assert r["peak_bytes"] == pytest.approx(_measured_peak(lambda: build_model("llama:2x64"), batch), rel=0.05)
+    assert weights_sha256(build_model(f"hf:{with_weights}")) == weights_sha256(saved)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HubError):
+        estimate(f"hf:{tmp_path / 'empty'}", inputs=batch, device="cpu", gpu=None)
