@@ -153,3 +153,29 @@ def test_step_time_follows_each_dtypes_measured_rate(monkeypatch):
     base = predict_step_time("gpt:2x256", "baseline", b, s)["step_time_s"]
     blind = counts["flops"] / fp32 + lora["terms"]["memory"] + lora["terms"]["launches"]
     assert blind / base < 1 < ratios[1 / 3]
+
+
+def test_t4_step_time_lora_in_half_precision_qlora_dequantizes_bandwidth_achievable():
+    """On a T4 (no bf16) lora/qlora's frozen base computes in fp16 (techniques.lora.compute_dtype): their
+    matmuls at the datasheet's 65 TFLOPS fp16 x 0.35 achievable, not 8.1 TFLOPS fp32 (the control: baseline
+    stays at fp32); an L4 (native bf16) at its 121 TFLOPS bf16. qlora adds the NF4 dequantization of every
+    quantized linear weight (GPT: 12 D^2 per block, the head excluded) in forward and backward (and the
+    recomputation under checkpoint): NF4 + absmax read, fp16 written, over 320 GB/s x 0.7 (Jia et al. 2019
+    measure ~220 GB/s on a T4), as the other memory-bound kernels are."""
+    from colabkit.techniques.lora import nf4_bytes
+
+    b, s, D, L = 4, 128, 256, 2
+    base = estimate("gpt:2x256", "baseline", batch=b, seq=s, gpu="t4")
+    assert base["step_time"]["terms"]["compute"] == pytest.approx(base["flops"] / (8.1e12 * 0.6))
+    assert base["step_time"]["terms"]["memory"] == pytest.approx(base["kernel_bytes"] / (320e9 * 0.7))
+    lora = estimate("gpt:2x256", "lora:8", batch=b, seq=s, gpu="t4")
+    assert lora["step_time"]["dtype"] == "fp16"
+    assert lora["step_time"]["terms"]["compute"] == pytest.approx(lora["flops"] / (65e12 * 0.35))
+    l4 = estimate("gpt:2x256", "lora:8", batch=b, seq=s, gpu="l4")
+    assert l4["step_time"]["terms"]["compute"] == pytest.approx(l4["flops"] / (121e12 * 0.4))
+    q = L * 12 * D * D  # the quantized linear weights
+    for plan, passes in (("qlora:8", 2), ("qlora:8+checkpoint", 3)):
+        r = estimate("gpt:2x256", plan, batch=b, seq=s, gpu="t4")
+        assert r["nf4_params"] == q and r["step_time"]["dtype"] == "fp16"
+        assert r["step_time"]["terms"]["dequant"] == pytest.approx(passes * (nf4_bytes(q) + 2 * q) / (320e9 * 0.7))
+    assert "dequant" not in lora["step_time"]["terms"]  # control: lora's 16-bit base is never dequantized
