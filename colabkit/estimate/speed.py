@@ -52,6 +52,9 @@ THROUGHPUT: dict[str, dict[str, Any]] = {
              "source": "NVIDIA H100 SXM datasheet: 67 TFLOPS fp32, 989 fp16/bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 "
                        "x16 63 GB/s theoretical, ~50 achievable; local NVMe ~1 GB/s (assumed)"},
 }
+THROUGHPUT["h200"] = {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12, "mem_bw": 4800e9, "pcie": 50e9, "disk": 1e9,
+                      "source": "NVIDIA H200 SXM datasheet: 67 TFLOPS fp32, 989 fp16/bf16 dense (1,979 with sparsity), "
+                                "4.8 TB/s HBM3e; PCIe 5.0 x16 63 GB/s theoretical, ~50 achievable; local NVMe ~1 GB/s (assumed)"}
 THROUGHPUT["t4x2"] = THROUGHPUT["t4"]
 THROUGHPUT["a100-40gb"] = THROUGHPUT["a100"]
 THROUGHPUT["h100-80gb"] = THROUGHPUT["h100"]
