@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import platform as _platform
 import sys
 from typing import Any, Iterator
@@ -104,6 +105,19 @@ GPU_PROFILES["h100"] = {
     "flash attention; host RAM: an 8-GPU VM's share (AWS p5.48xlarge: 2 TiB for 8 GPUs), approximate",
 }
 GPU_PROFILES["h100-80gb"] = GPU_PROFILES["h100"]
+GPU_PROFILES["h200"] = {
+    "name": "NVIDIA H200", "match": ("H200",), "count": 1,
+    "total_bytes": 143771 * MiB,
+    "capacity_bytes": int(139.8 * GiB),
+    "usable_bytes": int(139.3 * GiB),
+    "capability": (9, 0),
+    "native_bf16": True,
+    "sdpa": ["math", "efficient", "flash"],
+    "host_ram_bytes": int(2048e9 / 8),
+    "source": "cloud H200 141 GB (SXM). NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s; nvidia-smi 143771 MiB; the "
+    "capacity CUDA reports taken as that less the ~0.55 GiB an H100 loses (approximate, not measured here); sm90: bf16 "
+    "and flash attention; host RAM: an 8-GPU VM's share (AWS p5e.48xlarge: 2 TiB for 8 GPUs), approximate",
+}
 GPU_PROFILES["t4x2"] = dict(
     GPU_PROFILES["t4"], count=2, platform="kaggle", host_ram_bytes=int(29e9),
     source="Kaggle 'GPU T4 x2': two T4s, each as the t4 profile (the estimate judges one GPU: without sharding "
@@ -113,18 +127,21 @@ GPU_PROFILES["a100-40gb"] = GPU_PROFILES["a100"]
 
 
 def profile_for(gpu_name: str | None, count: int = 1, platform: str | None = None) -> str | None:
-    """The key of :data:`GPU_PROFILES` whose ``match`` words all occur in ``gpu_name`` (CUDA's device name);
-    with ``count`` GPUs on Kaggle, the multi-GPU profile (``t4x2``). None when no profile matches.
+    """The key of :data:`GPU_PROFILES` whose ``match`` words all occur as whole words in ``gpu_name`` (CUDA's
+    device name, split at anything but letters and digits: "T4" is not in "NVIDIA T400", "L4" not in
+    "NVIDIA L40S"); with ``count`` GPUs on Kaggle, the multi-GPU profile (``t4x2``). None when no profile matches.
 
     >>> profile_for("Tesla T4"), profile_for("Tesla T4", count=2, platform="kaggle"), profile_for("NVIDIA GeForce RTX 3090")
     ('t4', 't4x2', None)
+    >>> profile_for("NVIDIA T400"), profile_for("NVIDIA L40S"), profile_for("NVIDIA A100-SXM4-40GB")
+    (None, None, 'a100')
     """
     if not gpu_name:
         return None
-    name = gpu_name.upper()
+    words = set(re.findall(r"[A-Z0-9]+", gpu_name.upper()))
     best = None
     for key, p in GPU_PROFILES.items():
-        if key != p.get("key", key) or not all(w.upper() in name for w in p["match"]):
+        if key != p.get("key", key) or not all(w.upper() in words for w in p["match"]):
             continue
         if p["count"] == count and p.get("platform", platform) == platform:
             return key

@@ -229,6 +229,22 @@ def hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
     return _HUB_STATUS[constants.ENDPOINT]
 
 
+def local_folder(model_id: str) -> str | None:
+    """``model_id`` when it names a local folder holding a ``config.json`` (``from_pretrained``'s
+    convention: a saved or downloaded model), else None. Such a folder is read before any hub lookup.
+
+    >>> local_folder("gpt2") is None
+    True
+    """
+    path = os.path.expanduser(model_id)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def _has_weights(folder: str) -> bool:
+    """True when ``folder`` holds a checkpoint ``from_pretrained`` loads (safetensors or PyTorch bins)."""
+    return any(f.endswith((".safetensors", ".bin")) or f.endswith(".index.json") for f in os.listdir(folder))
+
+
 def _cached_snapshot(model_id: str) -> str | None:
     """The local folder of ``model_id`` in the Hugging Face cache (its config.json is there), or None.
     Loading from that folder never asks the hub (transformers' adapter lookup would, even offline)."""
@@ -252,8 +268,8 @@ def _unresolved(model_id: str, why: str) -> HubError:
 
 
 def hub_config(model_id: str) -> Any:
-    """The transformers config of a hub model: the shipped copy (offline) when there is one, else the
-    local cache, else the hub; when the hub cannot be reached a :class:`HubError` says so within
+    """The transformers config of a hub model: a local folder's own ``config.json`` when ``model_id`` is one,
+    else the shipped copy (offline) when there is one, else the local cache, else the hub; when the hub cannot be reached a :class:`HubError` says so within
     seconds. Never loads weights.
 
     >>> hub_config("gpt2").n_embd, hub_config("meta-llama/Llama-3.1-8B").num_key_value_heads
@@ -263,6 +279,9 @@ def hub_config(model_id: str) -> Any:
         from transformers import AutoConfig, CONFIG_MAPPING
     except ImportError as e:
         raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
+    folder = local_folder(model_id)
+    if folder:  # a local folder (from_pretrained's convention): its own config, no hub lookup
+        return AutoConfig.from_pretrained(folder)
     model_id = HUB_ALIASES.get(model_id, model_id)
     path = os.path.join(HUB_CONFIG_DIR, model_id.replace("/", "__") + ".json")
     if os.path.exists(path):
@@ -307,13 +326,20 @@ def dtype_kwarg(tf: Any = None) -> str:
 
 
 def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.Module:
-    """``hf:<id>``: the pretrained model from the hub when it can be reached, else from the local cache;
+    """``hf:<id>``: a local folder's model (its weights, or its config with random weights); else the pretrained
+    model from the hub when it can be reached, else from the local cache;
     otherwise the model built from its config (shipped or cached) with random weights, saying so."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
     model_id = name[3:]
+    folder = local_folder(model_id)
+    if folder:  # a local folder: its weights when it holds them, else its config with random weights
+        if _has_weights(folder):
+            return AutoModelForCausalLM.from_pretrained(folder, **{dtype_kwarg(): torch.float32})
+        print(f"colabkit: no weights in {folder}; building it from its config.json with random weights")
+        return AutoModelForCausalLM.from_config(hub_config(folder))
     why = hub_unreachable()
     source = model_id if why is None else _cached_snapshot(model_id)
     try:

@@ -125,3 +125,57 @@ def test_deep_gpt_counts_are_extrapolated_exactly(plan, monkeypatch):
     monkeypatch.setattr(speed, "_count", lambda *a: calls.append(a) or full)
     speed._flops(gpt_builder(cfg), plan, 2, 32)  # a new builder of the same shape: from the cache
     assert not calls
+
+
+def test_step_time_follows_each_dtypes_measured_rate(monkeypatch):
+    """lora:8's frozen base runs in bf16 on a CPU: its matmuls (4 x frozen linear parameters x tokens, forward
+    and the input's gradient, plus the attention's 14 x L x B x S^2 x D -- counted per dtype) go at the bf16
+    rate measured on this CPU. With the measured rates patched so that bf16 is 3x slower than fp32 (an Intel
+    Xeon with AVX512-BF16 ran lora:8 at 1.6x baseline), lora:8 is predicted slower than baseline, and with bf16
+    3x faster, well below it. Control: a dtype-blind model (every FLOP at fp32) predicts the same either way."""
+    from colabkit.estimate import speed
+
+    model = build_model("gpt:2x256")
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    L, D, b, s = model.config.n_layer, model.config.n_embd, 4, 128
+    bf16 = 4 * n * b * s + 14 * L * b * s * s * D
+    counts = count_flops("gpt:2x256", "lora:8", b, s)
+    assert counts["flops_bf16"] == bf16 and counts["flops_fp16"] == 0
+    fp32 = speed.cpu_throughput()["fp32"]
+    ratios = {}
+    for factor in (1 / 3, 3):
+        monkeypatch.setattr(speed, "cpu_matmul_rate", lambda d, f=factor: fp32 * (f if d == "bf16" else 1))
+        lora = predict_step_time("gpt:2x256", "lora:8", b, s)
+        assert lora["terms"]["compute"] == pytest.approx((counts["flops"] - bf16) / fp32 + bf16 / (fp32 * factor))
+        ratios[factor] = lora["step_time_s"] / predict_step_time("gpt:2x256", "baseline", b, s)["step_time_s"]
+    assert ratios[1 / 3] > 1 > 0.6 > ratios[3], ratios
+    # control: every FLOP at fp32 (the model before) keeps lora:8 below baseline on the slow-bf16 CPU too
+    base = predict_step_time("gpt:2x256", "baseline", b, s)["step_time_s"]
+    blind = counts["flops"] / fp32 + lora["terms"]["memory"] + lora["terms"]["launches"]
+    assert blind / base < 1 < ratios[1 / 3]
+
+
+def test_t4_step_time_lora_in_half_precision_qlora_dequantizes_bandwidth_achievable():
+    """On a T4 (no bf16) lora/qlora's frozen base computes in fp16 (techniques.lora.compute_dtype): their
+    matmuls at the datasheet's 65 TFLOPS fp16 x 0.35 achievable, not 8.1 TFLOPS fp32 (the control: baseline
+    stays at fp32); an L4 (native bf16) at its 121 TFLOPS bf16. qlora adds the NF4 dequantization of every
+    quantized linear weight (GPT: 12 D^2 per block, the head excluded) in forward and backward (and the
+    recomputation under checkpoint): NF4 + absmax read, fp16 written, over 320 GB/s x 0.7 (Jia et al. 2019
+    measure ~220 GB/s on a T4), as the other memory-bound kernels are."""
+    from colabkit.techniques.lora import nf4_bytes
+
+    b, s, D, L = 4, 128, 256, 2
+    base = estimate("gpt:2x256", "baseline", batch=b, seq=s, gpu="t4")
+    assert base["step_time"]["terms"]["compute"] == pytest.approx(base["flops"] / (8.1e12 * 0.6))
+    assert base["step_time"]["terms"]["memory"] == pytest.approx(base["kernel_bytes"] / (320e9 * 0.7))
+    lora = estimate("gpt:2x256", "lora:8", batch=b, seq=s, gpu="t4")
+    assert lora["step_time"]["dtype"] == "fp16"
+    assert lora["step_time"]["terms"]["compute"] == pytest.approx(lora["flops"] / (65e12 * 0.35))
+    l4 = estimate("gpt:2x256", "lora:8", batch=b, seq=s, gpu="l4")
+    assert l4["step_time"]["terms"]["compute"] == pytest.approx(l4["flops"] / (121e12 * 0.4))
+    q = L * 12 * D * D  # the quantized linear weights
+    for plan, passes in (("qlora:8", 2), ("qlora:8+checkpoint", 3)):
+        r = estimate("gpt:2x256", plan, batch=b, seq=s, gpu="t4")
+        assert r["nf4_params"] == q and r["step_time"]["dtype"] == "fp16"
+        assert r["step_time"]["terms"]["dequant"] == pytest.approx(passes * (nf4_bytes(q) + 2 * q) / (320e9 * 0.7))
+    assert "dequant" not in lora["step_time"]["terms"]  # control: lora's 16-bit base is never dequantized

@@ -42,8 +42,8 @@ def _split_gpu_tokens(plan: Plan, profile: dict | None) -> tuple[Plan, frozenset
         if tok.startswith("offload:") or tok in ("attention:efficient", "attention:flash"):
             continue
         keep.append(tok[len("paged-"):] if tok.startswith("paged-") else tok)
-    if "params" in offload:  # a streamed block is recomputed in backward: its activations are checkpoint's
-        keep.append("checkpoint")
+    if "params" in offload and not any(t.startswith("checkpoint") for t in keep):
+        keep.append("checkpoint")  # a streamed block is recomputed in backward: its activations are checkpoint's
     return Plan.parse(keep or "baseline"), offload
 
 

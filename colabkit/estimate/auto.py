@@ -22,17 +22,24 @@ from ..oom import is_oom
 from ..plan import PlanError
 from ..train import register_auto, train
 from ..trainer import register_auto_plan
+from .inputs import module_factory
 from .planner import plans
 
 
 def choose(model: Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,
-           candidates: Iterable[str] | None = None, budget_bytes: int | None = None) -> dict[str, Any]:
+           candidates: Iterable[str] | None = None, budget_bytes: int | None = None,
+           inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fastest predicted plan that fits: ``{"plan", "why", "ranked", "rows"}`` (``ranked``: the plans
-    that fit, fastest first -- the order :func:`train_auto` falls back through)."""
-    rows = [r for r in plans(model, batch, seq, gpu, device, candidates, budget_bytes) if not r.get("error")]
+    that fit, fastest first -- the order :func:`train_auto` falls back through). ``model``: a name, a
+    function that builds it, or the built module (estimated on a copy of its shapes); ``inputs``: its batch
+    described as :func:`~colabkit.estimate.estimate` takes it."""
+    if isinstance(model, torch.nn.Module):  # one shapes-only copy per estimate, never the weights
+        model = module_factory(model)
+    rows = [r for r in plans(model, batch, seq, gpu, device, candidates, budget_bytes, inputs) if not r.get("error")]
     ok = [r for r in rows if r.get("verdict", "fits" if r["fits"] else "") == "fits"] or [r for r in rows if r["fits"]]
     if not ok:
-        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {model} at batch {batch} x seq {seq} "
+        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {getattr(model, '__name__', model)} at "
+                        f"batch {batch} x seq {seq} "
                         f"on {gpu or device}: try a smaller batch or sequence (python -m colabkit plan lists them)")
     ok.sort(key=lambda r: -r["tokens_per_s"])
     best = ok[0]
@@ -60,8 +67,9 @@ def _choose(model: Any, *a: Any, **kw: Any) -> dict[str, Any]:
 
 
 def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
-    """``train(model, plan="auto", **kw)``: :func:`choose` for this run's model, batch, sequence and GPU, then
-    the chosen plan with ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
+    """``train(model, plan="auto", **kw)``: :func:`choose` for this run's model (a name, a function that
+    builds it, or the built module), batch, sequence, GPU and ``budget_bytes``, then the chosen plan with
+    ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
     dev = torch.device(kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
     choice = _choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu",
@@ -73,9 +81,10 @@ def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
 def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
     """Train with ``choice["ranked"]``'s plans in turn until one runs without an out-of-memory."""
     kw["on_oom"] = "shrink"
+    built = isinstance(model, (str, torch.nn.Module)) or not callable(model)
     for i, p in enumerate(choice["ranked"]):
         try:
-            out = train(model, plan=p, **kw)
+            out = train(model if built else model(), plan=p, **kw)  # train takes a name or a module
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err) or i + 1 == len(choice["ranked"]):
                 raise

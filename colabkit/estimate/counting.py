@@ -30,6 +30,9 @@ _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
             _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_efficient_attention,
             _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_flash_attention_for_cpu_backward,
             _aten._scaled_dot_product_efficient_attention_backward, _aten._scaled_dot_product_flash_attention_backward}
+# The FLOPs of matmuls that run in 16 bits ride in the bytes-by-size pairs under these negative keys, so every
+# path that carries, adds and extrapolates counts carries them too (:func:`split_flops` takes them out)
+HALF_FLOPS_KEY = {torch.float16: -16, torch.bfloat16: -17}
 _FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
 # Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
 _NOT_COMPUTE = ("offload", "zero")
@@ -81,7 +84,13 @@ class Traffic(TorchDispatchMode):
             return out
         self.ops += 1
         if formula is not None:
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+            fl = formula(*args, **(kwargs or {}), out_val=out)
+            self.flops += fl
+            first = out if isinstance(out, torch.Tensor) else next(
+                (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+            key = HALF_FLOPS_KEY.get(first.dtype) if first is not None else None
+            if key is not None:  # a 16-bit matmul: a CPU runs it at another rate than fp32 (speed.step_time)
+                self.by_size[key] = self.by_size.get(key, 0) + fl
         if not matmul:
             outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.numel() * t.element_size() for t in (*_tensors_of(args, kwargs), *outs))
@@ -107,6 +116,17 @@ class Traffic(TorchDispatchMode):
         self.flops += flops
         for k, v in sizes:
             self.by_size[k] = self.by_size.get(k, 0) + v
+
+
+def split_flops(sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], dict[str, int]]:
+    """(the bytes-by-size pairs alone, {"fp16": FLOPs, "bf16": FLOPs} of the 16-bit matmuls) of a count.
+
+    >>> split_flops(((-17, 100), (4096, 8)))
+    (((4096, 8),), {'fp16': 0, 'bf16': 100})
+    """
+    d = dict(sizes)
+    half = {name: d.pop(HALF_FLOPS_KEY[dt], 0) for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
+    return tuple(sorted(d.items())), half
 
 
 def _cpu_sdpa(*args, out_val=None, **kwargs) -> int:  # torch has no formula for the CPU flash kernel

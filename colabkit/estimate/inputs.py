@@ -1,7 +1,10 @@
-"""A batch described by shapes: what a trace feeds the Trainer (``inputs=`` for a user's own model)."""
+"""What a trace is fed: a batch described by shapes (``inputs=``) and a user's built module, copied with
+shapes only (its weights are never read nor duplicated)."""
 from __future__ import annotations
 
-from typing import Any
+import copy
+import itertools
+from typing import Any, Callable
 
 import torch
 
@@ -45,3 +48,32 @@ def batch_shape(inputs: dict[str, Any]) -> tuple[int, int]:
         raise PlanError("inputs: describe at least one batch entry with a batch dimension, e.g. "
                         "{'input_ids': ((8, 512), torch.long)}")
     return shapes[0][0], shapes[0][1] if len(shapes[0]) > 1 else 1
+
+
+def module_factory(module: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    """A builder of copies of a built ``module`` whose parameters and buffers are new empty tensors of the same
+    shape, dtype and ``requires_grad`` (made in whatever mode the caller runs: ``FakeTensorMode`` in a trace,
+    so nothing is allocated), ties and submodules kept: an estimate measures the copy, not your weights,
+    which may even sit on the meta device.
+
+    >>> f = module_factory(torch.nn.Linear(4, 2))
+    >>> m = f(); m.weight.shape, m.weight is f.module.weight
+    (torch.Size([2, 4]), False)
+    """
+    def build() -> torch.nn.Module:
+        memo: dict[int, Any] = {}
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if id(t) in memo:
+                continue
+            empty = torch.empty(t.shape, dtype=t.dtype)  # device: the caller's (CPU, or fake under a trace)
+            memo[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else empty
+        try:
+            return copy.deepcopy(module, memo)
+        except Exception as err:  # noqa: BLE001  (a module holding something deepcopy cannot copy)
+            raise PlanError(f"could not copy {type(module).__name__} to estimate it ({type(err).__name__}: {err}): "
+                            "pass a function that builds the model instead of the built module") from None
+
+    build.__name__ = type(module).__name__
+    build.module = module
+    return build

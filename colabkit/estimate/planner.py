@@ -88,8 +88,10 @@ def candidate_plans(profile: str | None = "t4") -> list[str]:
 
 
 def plans(model_fn, batch: int = 1, seq: int = 1024, gpu: str | None = "t4", device: str | None = None,
-          candidates: Iterable[str] | None = None, budget_bytes: int | None = None) -> list[dict[str, Any]]:
-    """Estimate every candidate plan; the ones that fit come first, cheapest step first.
+          candidates: Iterable[str] | None = None, budget_bytes: int | None = None,
+          inputs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Estimate every candidate plan; the ones that fit come first, cheapest step first. ``model_fn`` and
+    ``inputs`` as :func:`~colabkit.estimate.estimate` takes them.
 
     >>> ranked = plans("gpt-tiny", batch=2, seq=16, candidates=["baseline"])
     >>> ranked[0]["fits"], ranked[0]["overhead"]
@@ -97,7 +99,7 @@ def plans(model_fn, batch: int = 1, seq: int = 1024, gpu: str | None = "t4", dev
     """
     rows = []
     cfg = None
-    if isinstance(model_fn, str):
+    if isinstance(model_fn, str) and inputs is None:
         try:
             cfg = gpt_config(model_fn)
             cfg = replace(cfg, block_size=max(cfg.block_size, seq))
@@ -106,7 +108,8 @@ def plans(model_fn, batch: int = 1, seq: int = 1024, gpu: str | None = "t4", dev
     for p in candidates or candidate_plans(None if device == "cpu" else gpu):
         try:
             r = (_fast_estimate(cfg, p, batch, seq, gpu, device, budget_bytes) if cfg is not None
-                 else estimate(model_fn, p, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes))
+                 else estimate(model_fn, p, batch=batch, seq=seq, gpu=gpu, device=device, budget_bytes=budget_bytes,
+                               inputs=inputs))
             r["plan"] = p
         except PlanError as e:
             rows.append({"plan": p, "fits": False, "error": str(e), "peak_bytes": None, "overhead": None})

@@ -27,11 +27,11 @@ from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
-from .zero import for_rank, shard_trace
+from .zero import for_rank, gathered_in_half, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
-from .inputs import batch_shape, described
+from .inputs import batch_shape, described, module_factory
 from .trace import CUDA_ALLOC_ROUND, block_grads_to_host, trace_with_substitutes
 
 
@@ -94,7 +94,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
 
     ``model_fn``: a preset or ``hf:<id>`` name, any function returning an ``nn.Module`` (its forward may
     return a tensor, a tuple or a ``ModelOutput``; the loss is computed as :class:`colabkit.Trainer` does),
-    or a transformers model config. ``inputs`` describes your batch -- each key a sample tensor or a
+    a built ``nn.Module`` (measured on a copy made of shapes only: :func:`.inputs.module_factory`), or a
+    transformers model config. ``inputs`` describes your batch -- each key a sample tensor or a
     ``(shape, dtype)`` pair, e.g. ``{"pixel_values": ((8, 3, 224, 224), torch.float32), "labels": ((8,),
     torch.long)}`` -- instead of (batch, seq) token ids; batch and seq are then read from it. ``args``, a
     transformers ``TrainingArguments``, gives the loop-side plan and the batch (:func:`plan_of_arguments`;
@@ -122,6 +123,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         batch, seq = batch_shape(inputs)
     if type(model_fn).__name__.endswith("Config") and hasattr(model_fn, "model_type"):  # a transformers config
         model_fn = from_config(model_fn)
+    if isinstance(model_fn, torch.nn.Module):  # your built model: measured on a copy made of shapes only
+        model_fn = module_factory(model_fn)
     profile = _profile(gpu, device)
     if (depth := hub_depth(model_fn)) is not None:  # 80 blocks of a 70B model: two shallow traces, extrapolated
         r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
@@ -144,11 +147,13 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         if disk:
             traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         streamed = "params" in offload  # offload:params: block gradients leave for the host in the trace
-        with block_grads_to_host(streamed):
+        half = zero in (2, 3) and ("fp16" in plan or "bf16" in plan)  # FSDP2 gathers 16-bit parameters
+        with block_grads_to_host(streamed), gathered_in_half(half):
             t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                        CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes, t)  # plan: offload is bytes moved
-    _shard(t, zero, world_size)  # zero:N: one rank's share of the categories the stage shards
+        counts["nf4_params"] = sum(n for n, q, _ in t["frozen"] if q) if "qlora" in plan else 0  # dequantized each pass
+    _shard(t, zero, world_size, half)  # zero:N: one rank's share of the categories the stage shards
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
@@ -257,9 +262,9 @@ def preset_vs_hub(name: str) -> str | None:
     return f"preset {name} vs hf:{PRESET_HUB[name]}: " + "; ".join(diffs) + f" -- estimate hf:{PRESET_HUB[name]} for the hub model"
 
 
-def _shard(t: dict[str, Any], stage: int | None, world_size: int) -> None:
+def _shard(t: dict[str, Any], stage: int | None, world_size: int, half: bool = False) -> None:
     """One rank of a sharded run (:func:`.zero.shard_trace`), so the rest of :func:`estimate` sees one rank."""
-    shard_trace(t, stage, world_size)
+    shard_trace(t, stage, world_size, half)
 
 
 def _disk_split(t: dict[str, Any], notes: list[str], gpu: bool) -> int:

@@ -25,10 +25,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..plan import REGISTRY, Plan
+from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import time_fn
 from ..trainer import Trainer
-from .counting import Traffic, affine, compute_plan, counting, sgd_plan
+from .counting import Traffic, affine, compute_plan, counting, sgd_plan, split_flops
 from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, gpt_builder
 
 # Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
@@ -51,12 +52,19 @@ THROUGHPUT: dict[str, dict[str, Any]] = {
              "source": "NVIDIA H100 SXM datasheet: 67 TFLOPS fp32, 989 fp16/bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 "
                        "x16 63 GB/s theoretical, ~50 achievable; local NVMe ~1 GB/s (assumed)"},
 }
+THROUGHPUT["h200"] = {"fp32": 67e12, "fp16": 989e12, "bf16": 989e12, "mem_bw": 4800e9, "pcie": 50e9, "disk": 1e9,
+                      "source": "NVIDIA H200 SXM datasheet: 67 TFLOPS fp32, 989 fp16/bf16 dense (1,979 with sparsity), "
+                                "4.8 TB/s HBM3e; PCIe 5.0 x16 63 GB/s theoretical, ~50 achievable; local NVMe ~1 GB/s (assumed)"}
 THROUGHPUT["t4x2"] = THROUGHPUT["t4"]
 THROUGHPUT["a100-40gb"] = THROUGHPUT["a100"]
 THROUGHPUT["h100-80gb"] = THROUGHPUT["h100"]
 # Achievable fraction of the peak in a training step (assumed: MFU of 30-50% is what well-tuned training
 # reports on A100/H100 [PaLM 2022, Megatron-LM]; a T4 at 70 W throttles below its boost clock)
-ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4}
+ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4,
+              # memory-bound kernels reach ~70% of the datasheet bandwidth: Jia et al. 2019, "Dissecting the NVidia
+              # Turing T4 GPU via Microbenchmarking" (arXiv:1903.07486), measure ~220 GB/s of the T4's 320 GB/s
+              # (assumed for the other GPUs too; HBM parts reach somewhat more)
+              "mem_bw": 0.7}
 UNCERTAINTY = 0.3  # +-30%: the achievable fraction's spread
 HOST_BYTES_PER_S = 5e9  # assumed: a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step)
 def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int, tuple]:
@@ -125,7 +133,9 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
         state = 0 if want == compute else int(2 * n * state_bytes_per_param(plan.optimizer_token))
         if state and notes is not None:
             notes.append(f"step time: {plan.optimizer_token} counted as SGD plus its state read and written ({why})")
-        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state, "kernel_sizes": sizes}
+        sizes, half = split_flops(sizes)
+        return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state, "kernel_sizes": sizes,
+                "flops_fp16": half["fp16"], "flops_bf16": half["bf16"]}
     if params is None:
         raise RuntimeError(f"the step of {plan} cannot be counted on fake tensors ({why})")
     if notes is not None:
@@ -136,7 +146,7 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
 @functools.lru_cache(maxsize=1)
 def cpu_throughput() -> dict[str, Any]:
     """This CPU's figures, measured once with :func:`colabkit.timing.time_fn` (process time: robust to other
-    processes on a shared machine): matmul FLOP/s (256^3 fp32), and the cost of one small kernel in an eager
+    processes on a shared machine): matmul FLOP/s in fp32, fp16 and bf16 (256^3), and the cost of one small kernel in an eager
     training step (what a GPU's kernel launch is). Bandwidth: :func:`cpu_bandwidth`.
 
     The kernel's cost is taken from a training step of a tiny model (20 ``Linear(8, 8)`` + GELU, forward and
@@ -152,8 +162,34 @@ def cpu_throughput() -> dict[str, Any]:
         layers(x).sum().backward()
     launch = time_fn(lambda: layers(x).sum().backward(), warmup=2, repeats=7).median / kernels.ops
     return {"fp32": 2 * n**3 / mm, "fp16": None, "bf16": None, "launch_s": launch, "pcie": None, "disk": None,
-            "source": f"measured on this CPU: {n}x{n} fp32 matmul, a tiny model's training step per kernel, "
-                      "copies the size of the step's kernels"}
+            "source": f"measured on this CPU: {n}x{n} fp32 matmul, fp16/bf16 against fp32 in a transformer block "
+                      "(cpu_matmul_rate), a tiny model's training step per kernel, copies the size of the step's kernels"}
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@functools.lru_cache(maxsize=4)
+def _block_seconds(dtype: str) -> float:
+    """Process seconds of one frozen transformer block (gpt:1x128, 4 x 128 tokens) run forward and backward to
+    its input in ``dtype``: what a lora base or an autocast step runs in 16 bits, elementwise kernels and
+    attention included (a bare matmul overstates bf16: 2.1x fp32 on a 2-core EPYC with AVX512-BF16, 1.3x in
+    the block; an Intel Xeon with AVX512-BF16 ran lora's bf16 base slower than fp32)."""
+    from ..models import GPT, blocks_of, gpt_config
+
+    torch.manual_seed(0)
+    block = blocks_of(GPT(gpt_config("gpt:1x128")))[0].to(_DTYPES[dtype]).requires_grad_(False)
+    x = torch.randn(4, 128, 128, dtype=_DTYPES[dtype], requires_grad=True)  # (B, S, D)
+    return time_fn(lambda: block(x).sum().backward(), warmup=1, repeats=3).median
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_matmul_rate(dtype: str) -> float:
+    """This CPU's matmul FLOP/s in ``dtype`` ("fp32", "fp16", "bf16"): fp32's measured rate, and a 16-bit one
+    scaled by how much faster (or slower) a transformer block runs in it than in fp32, measured here on first
+    use -- no CPU model assumed. ``step_time`` puts each counted matmul at the rate of the dtype it ran in."""
+    rate = cpu_throughput()["fp32"]
+    return rate if dtype == "fp32" else rate * _block_seconds("fp32") / _block_seconds(dtype)
 
 
 @functools.lru_cache(maxsize=32)
@@ -203,8 +239,8 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
         figs["mem_bw"] = cpu_bandwidth(1 << max(12, (counts["kernel_bytes"] // counts["kernels"] // 2).bit_length()))
     elif gpu is None:
         figs["mem_bw"] = cpu_bandwidth(64 << 20)
-    dtype = next((d for d in ("fp16", "bf16") if d in plan and figs.get(d)), "fp32")
     n = r["trainable_params"]
+    dtype = _gpu_dtype(plan, figs) if gpu is not None else "fp32"
     try:
         state = state_bytes_per_param(plan.optimizer_token)
     except ValueError:
@@ -217,9 +253,23 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
         # 1-16 MiB: predicted 1.19x baseline with the average-size figure, 1.37x with this, 1.39x measured)
         memory = (sum(nbytes / cpu_bandwidth(size) for size, nbytes in counts["kernel_sizes"])
                   + counts.get("state_bytes", 0) / figs["mem_bw"])
-    terms = {"compute": counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0)),
+    if gpu is not None:  # a GPU: every matmul at the plan's compute dtype; memory at an achievable fraction
+        compute = counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0))
+        memory /= frac["mem_bw"]
+    else:  # this CPU: each matmul at the measured rate of the dtype it ran in (counted per dtype)
+        half = {d: counts.get(f"flops_{d}", 0) for d in ("fp16", "bf16")}
+        compute = (counts["flops"] - sum(half.values())) / figs["fp32"] + sum(f / cpu_matmul_rate(d)
+                                                                              for d, f in half.items() if f)
+        dtype = "+".join(["fp32"] + [d for d, f in half.items() if f])
+    terms = {"compute": compute,
              "memory": memory,
              "launches": counts["kernels"] * figs["launch_s"]}
+    if gpu is not None and counts.get("nf4_params"):
+        # qlora: each NF4 weight is dequantized to 16 bits wherever it is used -- forward, backward (the input's
+        # gradient), and the recomputed forward under checkpoint: NF4 (+ absmax) read, 16 bits written, per pass
+        q = counts["nf4_params"]
+        passes = 3 if "checkpoint" in plan else 2
+        terms["dequant"] = passes * (nf4_bytes(q) + 2 * q) / (figs["mem_bw"] * frac["mem_bw"])
     offload = set(plan.get("offload") or ())
     if offload and gpu is not None:  # PCIe: each offloaded byte goes down and comes back once per step
         moved = (8 * n if "optimizer" in offload else 0) + 2 * r["host_bytes"] * len(offload - {"optimizer"}) / len(offload)
@@ -235,7 +285,18 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
             "terms": terms, "dtype": dtype, "source": figs["source"]}
 
 
-COUNT_KEYS = ("flops", "kernels", "kernel_bytes", "state_bytes")
+def _gpu_dtype(plan: Plan, figs: dict[str, Any]) -> str:
+    """The dtype a plan's matmuls run in on a GPU: fp16/bf16 as the plan says; lora/qlora's frozen base in the
+    GPU's half precision (bf16 where native, else fp16: a T4 -- techniques.lora.compute_dtype); else fp32."""
+    for d in ("fp16", "bf16"):
+        if d in plan and figs.get(d):
+            return d
+    if "lora" in plan or "qlora" in plan:
+        return "bf16" if figs.get("bf16") else "fp16"
+    return "fp32"
+
+
+COUNT_KEYS = ("flops", "kernels", "kernel_bytes", "state_bytes", "flops_fp16", "flops_bf16", "nf4_params")
 
 
 def speed_of(r: dict[str, Any], counts: dict[str, Any], profile: dict[str, Any] | None,

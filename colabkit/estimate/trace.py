@@ -29,7 +29,7 @@ from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
-from . import replay as _replay
+from . import replay as _replay, zero as _zero
 from .as_gpu import _attention_as, check_as_gpu  # noqa: F401 (check_as_gpu: its old home, re-exported)
 from .counting import affine as counting_affine, compute_plan, counting
 from .inputs import fake_batch
@@ -208,7 +208,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
                 tracker.set_step(step)
                 # the last step also counted (FLOPs, kernels, bytes: the step-time prediction's input), so an
                 # estimate runs each fake step once; a replayed optimizer step adds its profiled kernels
-                with counting() if step == run[-1] else contextlib.nullcontext() as counter:
+                with counting() if step == run[-1] else contextlib.nullcontext() as counter, _zero.no_cast_copies():
                     trainer.step(fake_batch(inputs, batch, seq))
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
@@ -315,6 +315,7 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0])
             "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
             "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
             "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,
+            "block_bytes": more("block_bytes"),  # FSDP2's all-gather units, one per block (estimate.zero)
             "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None,
             "counts": counting_affine(t1["counts"], t2["counts"], L, (depth, depth + 1)),
             "counted_plan": t2["counted_plan"]}
@@ -332,7 +333,7 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
     if _FULL[0] or model_key is None or inputs is not None:
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
-           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE, _STREAM_BLOCK_GRADS[0])
+           _lora.compute_dtype is not _REAL_COMPUTE_DTYPE, _STREAM_BLOCK_GRADS[0], _zero._HALF_GATHER[0])
     hit = _CACHE.get(key)
     if hit is None:
         extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)

@@ -24,28 +24,87 @@ and 2 (reduce-scatter + all-gather, as DDP's all-reduce), 3Ψ for stage 3 (one m
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
+
+import torch
 
 from ..plan import Plan, PlanError
 
 SHARDED = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
 
 
-def zero_per_rank(breakdown: dict[str, int], stage: int | None, world_size: int) -> dict[str, int]:
+# zero:2/3 with fp16/bf16: FSDP2's MixedPrecisionPolicy gathers 16-bit parameters (techniques/zero.py), so a
+# block computes on them directly: autocast casts no fp32 weight (nothing in its cache) and backward keeps no
+# cast copy (the gathered parameter, freed and re-gathered, is what is saved). A single-process trace of the
+# same plan holds both; within :func:`gathered_in_half` the trace drops them (and shard_trace counts the
+# gathered copies at 16 bits).
+_HALF_GATHER = [False]
+
+
+@contextlib.contextmanager
+def gathered_in_half(on: bool = True):
+    """Within the block, traces run as FSDP2's 16-bit gathered parameters run: no autocast weight cache,
+    no cast copy of a parameter saved for backward (:data:`_HALF_GATHER`)."""
+    prev, _HALF_GATHER[0] = _HALF_GATHER[0], on
+    try:
+        yield
+    finally:
+        _HALF_GATHER[0] = prev
+
+
+def _cast_of_parameter(t: torch.Tensor) -> bool:
+    """True for autocast's copy of a leaf parameter (a ``_to_copy`` whose input is an AccumulateGrad leaf)."""
+    fn = t.grad_fn
+    if fn is None or not type(fn).__name__.startswith("ToCopyBackward") or not fn.next_functions:
+        return False
+    nxt = fn.next_functions[0][0]
+    return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    # a stand-in of the same shape and dtype on a one-element storage (values never matter in a trace)
+    return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape) if _cast_of_parameter(t) else t
+
+
+@contextlib.contextmanager
+def no_cast_copies():
+    """While a traced step runs under :func:`gathered_in_half`: autocast's weight cache off, and casts of
+    parameters not kept for backward. A no-op otherwise."""
+    if not _HALF_GATHER[0]:
+        yield
+        return
+    real = torch.autocast.__enter__
+
+    def enter(self):
+        out = real(self)
+        torch.set_autocast_cache_enabled(False)  # __exit__ restores what was before
+        return out
+
+    torch.autocast.__enter__ = enter
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
+            yield
+    finally:
+        torch.autocast.__enter__ = real
+
+
+def zero_per_rank(breakdown: dict[str, int], stage: int | None, world_size: int, half: bool = False) -> dict[str, int]:
     """One rank's categories under ZeRO ``stage`` on ``world_size`` ranks, from a single-process
-    breakdown traced at the per-rank micro-batch (stage None: unchanged)."""
+    breakdown traced at the per-rank micro-batch (stage None: unchanged). ``half``: fp16/bf16, whose
+    zero:2/3 gather 16-bit copies of fp32 parameters."""
     out = dict(breakdown)
     if not stage or world_size < 2:
         return out
     for c in SHARDED[stage]:
         out[c] = -(-breakdown[c] // world_size)
     if stage == 2:  # FSDP2: shard kept next to the gathered parameters during forward/backward
-        out["params"] = breakdown["params"] + -(-breakdown["params"] // world_size)
+        out["params"] = (breakdown["params"] // 2 if half else breakdown["params"]) + -(-breakdown["params"] // world_size)
     return out
 
 
-def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
+def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: bool = False) -> None:
     """One rank's share of a single-process trace ``t`` (traced at the per-rank micro-batch), in place:
     every breakdown (own peaks, the peak's composition, each phase) through :func:`zero_per_rank`, plus what
     the engines add per phase, then the step's peak as the largest phase's:
@@ -75,6 +134,9 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
         return
     full = dict(t["breakdown"])  # single-process own peaks: P, G, K*psi
     blocks = t.get("block_bytes") or []
+    if half and stage > 1:  # MixedPrecisionPolicy: gathered at 16 bits (fp32 master shards)
+        blocks = [b // 2 for b in blocks]
+        full["params"] -= (t["breakdown"]["params"] + 1) // 2
     block = max(blocks, default=0)
     root = max(0, full["params"] - sum(blocks))
     kept = blocks[-1] if blocks else 0  # the last all-gather output of forward (see above)
@@ -83,8 +145,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int) -> None:
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):
             if k in d:
-                d[k] = zero_per_rank(d[k], stage, world_size)
-        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size)
+                d[k] = zero_per_rank(d[k], stage, world_size, half)
+        d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size, half)
     for phase, d in t["phase_peaks"].items():
         if stage == 1:  # DDP's buckets are the gradients from the start (+ a fresh one in backward, at most the largest)
             fresh = d["at_peak"]["grads"] if phase == "backward" else 0

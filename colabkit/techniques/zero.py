@@ -238,7 +238,10 @@ def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     offload = CPUOffloadPolicy(pin_memory=ctx.cuda) if plan.get("offload") else OffloadPolicy()
     # fp16: blocks compute on fp16 copies of the gathered parameters, gradients are reduce-scattered in
     # fp32 onto fp32 master shards; the loss scaler unscales the local shards and agrees on found-inf
-    precision = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) if "fp16" in plan \
+    # (bf16 likewise, without a scaler: blocks get bf16 parameters, so autocast has no fp32 weight to cast
+    # and cache -- its cache would otherwise hold a bf16 copy of every gathered weight until forward ends)
+    half = torch.float16 if "fp16" in plan else torch.bfloat16 if "bf16" in plan else None
+    precision = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half is not None \
         else MixedPrecisionPolicy()
     if "fp16" in plan:
         ctx.make_scaler = sharded_scaler
