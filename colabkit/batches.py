@@ -149,7 +149,31 @@ def make_batch(model: torch.nn.Module, batch: Any, y: torch.Tensor | None = None
                             f"{unknown}: drop or rename those keys")
     if labels is not None and labels_to_model and (var_kw or "labels" in names):
         kwargs["labels"] = labels
+    elif labels is not None:
+        add_decoder_inputs(model, kwargs, labels)
     return Batch(args, kwargs, labels)
+
+
+def add_decoder_inputs(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor) -> dict:
+    """An encoder-decoder model (T5, BART) builds its decoder's inputs from the ``labels`` it is given; where
+    colabkit keeps the labels from it (``chunked-ce``, ``loss_fn=``) they are built here as the model builds
+    them (``prepare_decoder_input_ids_from_labels``: shifted right, -100 as padding) into ``kwargs``, in place.
+    Other models, or a batch that has its decoder inputs: unchanged.
+
+    >>> add_decoder_inputs(torch.nn.Linear(2, 2), {}, torch.zeros(1, 3, dtype=torch.long))
+    {}
+    """
+    m = unwrap(model)
+    if not getattr(getattr(m, "config", None), "is_encoder_decoder", False) \
+            or kwargs.get("decoder_input_ids") is not None or kwargs.get("decoder_inputs_embeds") is not None:
+        return kwargs
+    make = getattr(m, "prepare_decoder_input_ids_from_labels", None)
+    if not callable(make):
+        raise PlanError(f"{type(m).__name__} is an encoder-decoder model that builds its decoder inputs from the labels, "
+                        "which colabkit keeps from it here (chunked-ce or loss_fn= compute the loss): put "
+                        "'decoder_input_ids' in the batch, or drop chunked-ce / loss_fn=")
+    kwargs["decoder_input_ids"] = make(labels=labels)
+    return kwargs
 
 
 def head_of(model: torch.nn.Module, b: Batch, task: str | None = None) -> str:
