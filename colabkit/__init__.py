@@ -37,7 +37,8 @@ from .oom import OutOfMemoryWithAdvice, oom_guard
 from .checkpoints import CheckpointError, Checkpointing, list_checkpoints
 from .callbacks import Callback, Run  # noqa: E402  (the train loop's events: one object per concern, a user's own too)
 from .drive import drive_dir
-from .techniques.checkpoint import checkpoint_blocks, saved_bytes
+from .techniques.checkpoint import checkpoint_blocks, recomputed_with, saved_bytes
+from .batches import check_labels  # noqa: E402
 from .techniques.accumulation import micro_batch_sizes, window_loss
 from .techniques.compress import int8_saved_tensors
 from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param

@@ -149,7 +149,31 @@ def make_batch(model: torch.nn.Module, batch: Any, y: torch.Tensor | None = None
                             f"{unknown}: drop or rename those keys")
     if labels is not None and labels_to_model and (var_kw or "labels" in names):
         kwargs["labels"] = labels
+    elif labels is not None:
+        add_decoder_inputs(model, kwargs, labels)
     return Batch(args, kwargs, labels)
+
+
+def add_decoder_inputs(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor) -> dict:
+    """An encoder-decoder model (T5, BART) builds its decoder's inputs from the ``labels`` it is given; where
+    colabkit keeps the labels from it (``chunked-ce``, ``loss_fn=``) they are built here as the model builds
+    them (``prepare_decoder_input_ids_from_labels``: shifted right, -100 as padding) into ``kwargs``, in place.
+    Other models, or a batch that has its decoder inputs: unchanged.
+
+    >>> add_decoder_inputs(torch.nn.Linear(2, 2), {}, torch.zeros(1, 3, dtype=torch.long))
+    {}
+    """
+    m = unwrap(model)
+    if not getattr(getattr(m, "config", None), "is_encoder_decoder", False) \
+            or kwargs.get("decoder_input_ids") is not None or kwargs.get("decoder_inputs_embeds") is not None:
+        return kwargs
+    make = getattr(m, "prepare_decoder_input_ids_from_labels", None)
+    if not callable(make):
+        raise PlanError(f"{type(m).__name__} is an encoder-decoder model that builds its decoder inputs from the labels, "
+                        "which colabkit keeps from it here (chunked-ce or loss_fn= compute the loss): put "
+                        "'decoder_input_ids' in the batch, or drop chunked-ce / loss_fn=")
+    kwargs["decoder_input_ids"] = make(labels=labels)
+    return kwargs
 
 
 def head_of(model: torch.nn.Module, b: Batch, task: str | None = None) -> str:
@@ -170,6 +194,88 @@ def head_of(model: torch.nn.Module, b: Batch, task: str | None = None) -> str:
     if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
         return "token-classification" if b.aligned else "causal-lm"
     return "sequence-classification"
+
+
+def n_classes(model: torch.nn.Module, head: str) -> int | None:
+    """How many classes a head's integer labels index: the LM head's rows (the vocabulary, padding
+    included) for language models, ``config.num_labels`` for classification heads; None if unknown.
+
+    >>> from colabkit.models import build_model
+    >>> n_classes(build_model("gpt-tiny"), "causal-lm")
+    256
+    """
+    m = unwrap(model)
+    cfg = getattr(m, "config", None)
+    if head == "sequence-classification" or type(m).__name__.endswith("ForTokenClassification"):
+        return getattr(cfg, "num_labels", None)
+    emb = m.get_output_embeddings() if callable(getattr(m, "get_output_embeddings", None)) else None
+    w = getattr(emb, "weight", None)
+    if isinstance(w, torch.Tensor) and w.ndim == 2 and w.is_floating_point():  # not a packed 4-bit weight
+        return w.shape[0]
+    n = getattr(cfg, "vocab_size", None)
+    return n if isinstance(n, int) else None
+
+
+def _main_input(b: Batch) -> torch.Tensor | None:
+    if b.args and isinstance(b.args[0], torch.Tensor):
+        return b.args[0]
+    return next((b.kwargs[k] for k in ("input_ids", "inputs_embeds", "pixel_values")
+                 if isinstance(b.kwargs.get(k), torch.Tensor)), None)
+
+
+def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
+    """Refuse labels that cannot be ``head``'s targets before the forward, naming the expected shape and
+    dtype (torch's own errors come later and say less: "Expected input batch_size (32) to match target
+    batch_size (24)", "Target 300 is out of bounds", on a GPU a device-side assert).
+
+    >>> from colabkit.models import build_model
+    >>> x = torch.zeros(2, 8, dtype=torch.long)
+    >>> check_labels(build_model("gpt-tiny"), Batch((x,), {}, x[:, :4]), "causal-lm")
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: labels have shape (2, 4) and dtype torch.int64; this causal-lm head needs labels of shape (2, 8) (one per input position) and dtype torch.long: class ids in [0, 256), -100 to ignore
+    """
+    y = b.labels
+    if not isinstance(y, torch.Tensor):
+        return
+    m = unwrap(model)
+    seq2seq = bool(getattr(getattr(m, "config", None), "is_encoder_decoder", False))
+    x = _main_input(b)
+    tokens = x is not None and x.ndim == 2 and not x.is_floating_point()  # input_ids (B, S)
+    got = f"labels have shape {tuple(y.shape)} and dtype {y.dtype}"
+    lm_like = head == "sequence-classification" and y.is_floating_point() and tokens and y.shape == x.shape \
+        and not type(m).__name__.endswith(_SUFFIXES["sequence-classification"])
+    if lm_like:  # float labels shaped like input_ids on a model that is not a classifier: token ids as floats
+        head = "causal-lm"
+    n = n_classes(model, head)
+    ids = f"class ids in [0, {n})" if n else "class ids"
+    if head in ("causal-lm", "token-classification"):
+        if seq2seq:
+            shape, where, ok = f"({b.size}, target length)", "(the decoder's targets)", y.ndim == 2 and y.shape[0] == b.size
+        elif x is not None and x.ndim in (2, 3) and (tokens or x.is_floating_point()):  # input_ids / inputs_embeds
+            shape, where, ok = str(tuple(x.shape[:2])), "(one per input position)", tuple(y.shape) == tuple(x.shape[:2])
+        else:
+            shape, where, ok = f"({b.size}, sequence)", "(one per position)", y.ndim == 2 and y.shape[0] == b.size
+        want = f"this {head} head needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
+        if y.dtype != torch.long or not ok:
+            raise PlanError(f"{got}; {want}")
+    elif head == "sequence-classification":
+        want = (f"this sequence-classification head needs labels of shape ({b.size},) and dtype torch.long ({ids}), "
+                f"or float labels ({b.size},) / ({b.size}, classes) for regression or multi-label")
+        ok_int = y.dtype == torch.long and y.ndim == 1
+        if y.ndim == 0 or y.shape[0] != b.size or not (ok_int or y.is_floating_point()):
+            raise PlanError(f"{got}; {want}")
+        if y.is_floating_point() or n == 1:  # regression / multi-label: no class ids to range-check
+            return
+    else:
+        return
+    if n and not y.is_meta and torch._guards.detect_fake_mode((y,)) is None:  # values unknown when estimating
+        bad = (y >= n) | ((y < 0) & (y != IGNORE_INDEX))
+        if bool(bad.any()):  # one check per batch, on the host before the labels reach the device's kernels
+            v = y[bad]
+            raise PlanError(f"labels hold {int(bad.sum())} ids outside [0, {n}) (min {int(v.min())}, max {int(v.max())}; "
+                            f"-100 is the only negative allowed); {want}: check that the tokenizer matches the model "
+                            "(its vocabulary) or the number of classes (config.num_labels)")
 
 
 def _shifted(labels: torch.Tensor) -> torch.Tensor:

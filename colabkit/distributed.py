@@ -136,9 +136,12 @@ def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None,
     again, so it must be importable (not notebook-defined). The ranks die with this process."""
     backend = backend_for(device, world_size)
     start_method = start_method or START_METHOD
-    if start_method == "fork" and torch.cuda.is_initialized():
-        raise RuntimeError("launch(start_method='fork') after CUDA was initialised in this process: a forked "
-                           "rank cannot use CUDA; use start_method='spawn'")
+    # nccl: backend_for has already asked the driver (torch.cuda.is_available / device_count), so a forked rank
+    # dies at set_device even though torch.cuda.is_initialized() is still False here
+    if start_method == "fork" and (backend == "nccl" or torch.cuda.is_initialized()):
+        why = ("NCCL ranks use CUDA, which this process has already queried (a forked rank dies at set_device)"
+               if backend == "nccl" else "CUDA was initialised in this process: a forked rank cannot use CUDA")
+        raise PlanError(f"launch(start_method='fork'): {why}; use start_method='spawn'")
     with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
         mp.start_processes(_entry, args=(world_size, backend, out, os.getpid(), fn, args),
                            nprocs=world_size, join=True, start_method=start_method)

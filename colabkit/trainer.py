@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .batches import Batch, LossFn, count, head_of, make_batch, micro_loss
+from .batches import Batch, LossFn, check_labels, count, head_of, make_batch, micro_loss
 from .env import default_device, env
 from .data import TextData
 from .device import host_unscaling
@@ -154,8 +154,11 @@ class Trainer:
         return micro_loss(self.model(x), b, head_of(self.model, b, self.task), n_tokens, 0, 1, self.loss_fn)
 
     def _batch(self, batch: Any, y: torch.Tensor | None) -> tuple[Batch, str]:
-        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None and not self.ctx.loss_from_head).to(self.ctx.device)
-        return b, head_of(self.model, b, self.task)
+        b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None and not self.ctx.loss_from_head)
+        head = head_of(self.model, b, self.task)
+        if self.loss_fn is None:  # a loss_fn= takes labels of its own kind
+            check_labels(self.model, b, head)  # where the batch came from (the host): no device sync
+        return b.to(self.ctx.device), head
 
     def _micro(self, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int) -> torch.Tensor:
         """One micro-batch's forward and its share of the window's mean loss."""

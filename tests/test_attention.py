@@ -161,3 +161,17 @@ def test_recompute_context_negative_control(monkeypatch):
     monkeypatch.setattr(ck, "_context_fn", lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
     with pytest.raises(torch.utils.checkpoint.CheckpointError):
         _losses("attention:math+checkpoint", steps=1)
+
+
+def test_cli_bench_attention_math_with_checkpoint(tmp_path):
+    """The issue's command: `bench --plan attention:math+checkpoint` died with CheckpointError on the CPU."""
+    import json
+    from colabkit.__main__ import main
+    path = str(tmp_path / "bench.json")
+    assert main(["bench", "--model", "gpt-tiny", "--plan", "attention:math", "--plan", "attention:math+checkpoint",
+                 "--batch", "2", "--seq", "32", "--steps", "2", "--device", "cpu", "--json", path]) == 0
+    with open(path) as f:
+        alone, both = json.load(f)["results"]
+    assert alone["ok"] and both["ok"], both["error"]
+    assert abs(both["loss"] - alone["loss"]) <= 1e-5 * alone["loss"]
+    assert both["breakdown"]["activations"] < alone["breakdown"]["activations"]  # the checkpoint did act

@@ -1,6 +1,7 @@
 """Every bad input gets a clear error before the first training step (the README's bad-input table):
 one row per case, each checking the message says what is wrong and what to do."""
 import importlib.util
+import math
 import os
 import re
 import time
@@ -244,3 +245,49 @@ def test_chunked_ce_where_it_cannot_apply():
         Trainer(build_model("gpt-tiny"), "chunked-ce", device="cpu", loss_fn=lambda out, labels, n: out.sum())
     with pytest.raises(PlanError, match=r"chunked-ce and zero:3 conflict: .* use zero:2 or zero:1 with chunked-ce"):
         _train(plan="zero:3+chunked-ce")
+
+
+def _tiny_llama():
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [lambda: build_model("gpt-tiny"), _tiny_llama], ids=["gpt", "hf-own-loss"])
+@pytest.mark.parametrize("bad, match", [
+    ("shape", r"labels have shape \(2, 12\) .* needs labels of shape \(2, 16\) .* dtype torch.long"),
+    ("float", r"dtype torch.float32; .* needs labels of shape \(2, 16\) .* dtype torch.long"),
+    ("int32", r"dtype torch.int32; .* dtype torch.long"),
+    ("vocab", r"labels hold \d+ ids outside \[0, 256\) .* dtype torch.long"),
+])
+def test_malformed_labels(make, bad, match):
+    """Wrong-shape, float, int32 and out-of-vocabulary labels get colabkit's error naming the expected shape
+    and dtype before any forward (torch's raw errors before: "Expected input batch_size (32) to match target
+    batch_size (24)", "Target 300 is out of bounds", "expected target dtype to be Long")."""
+    from colabkit.trainer import Trainer
+    x = torch.randint(0, 256, (2, 16))
+    labels = {"shape": x[:, :12], "float": x.float(), "int32": x.int(), "vocab": x.clone().index_fill_(1, torch.tensor([3]), 256)}
+    model = make()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    t = Trainer(model, "baseline", device="cpu")
+    for batch in ({"input_ids": x, "labels": labels[bad]}, (x, labels[bad])):
+        with pytest.raises(PlanError, match=match):
+            t.step(*batch) if isinstance(batch, tuple) else t.step(batch)
+    assert calls == []  # refused before the forward
+    ok = x.clone()
+    ok[:, :3] = -100  # negative control: well-formed labels (ignored positions too) train
+    assert math.isfinite(t.step({"input_ids": x, "labels": ok})) and calls
+
+
+def test_malformed_classification_labels():
+    from colabkit.trainer import Trainer
+    from tests.own_models import bert
+    t = Trainer(bert(), "baseline", device="cpu")  # num_labels=3
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(PlanError, match=r"ids outside \[0, 3\) .* shape \(2,\) and dtype torch.long"):
+        t.step({"input_ids": ids, "labels": torch.tensor([0, 3])})
+    with pytest.raises(PlanError, match=r"labels have shape \(3,\) .* shape \(2,\) and dtype torch.long"):
+        t.step({"input_ids": ids, "labels": torch.tensor([0, 1, 2])})
+    assert math.isfinite(t.step({"input_ids": ids, "labels": torch.tensor([0, 2])}))  # negative control

@@ -25,6 +25,7 @@ from colabkit import build_model, weights_sha256
 from colabkit.collectives import STRICT_ENV, collective, install_strict, rank_tensor, uninstall_strict
 from colabkit.distributed import RankData, _entry, global_mean, launch, load_sharded, save_sharded, train_ranks
 from colabkit.memory import MemoryTracker
+from colabkit.plan import PlanError
 from colabkit.trainer import Trainer, load_model
 from forking import fork
 
@@ -209,12 +210,22 @@ def test_launch_spawns_unless_told_and_never_forks_after_cuda(monkeypatch):
     monkeypatch.setattr(d.mp, "start_processes", lambda *a, **k: started.append(k["start_method"]))
     monkeypatch.setattr(d.torch, "load", lambda *a, **k: None)
     assert launch(summed_rank, 2, 1.0, device="cpu") == [None, None] and started == ["spawn"]
+    launch(summed_rank, 2, 1.0, device="cpu", start_method="fork")  # gloo, CUDA untouched: fork allowed
+    assert started == ["spawn", "fork"]
+    # nccl: CUDA was queried (is_available, device_count) but not initialised -- a forked rank still dies
+    monkeypatch.setattr(d, "backend_for", lambda device, world_size: "nccl")
+    assert not d.torch.cuda.is_initialized()
+    with pytest.raises(PlanError, match="NCCL ranks use CUDA.*start_method='spawn'"):
+        launch(summed_rank, 2, 1.0, device="cuda", start_method="fork")
+    assert started == ["spawn", "fork"]  # nothing started
+    launch(summed_rank, 2, 1.0, device="cuda")  # control: spawn still allowed
+    monkeypatch.setattr(d, "backend_for", lambda device, world_size: "gloo")
     monkeypatch.setattr(d.torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="start_method='spawn'"):
+    with pytest.raises(PlanError, match="CUDA was initialised.*start_method='spawn'"):
         launch(summed_rank, 2, 1.0, device="cpu", start_method="fork")
-    assert started == ["spawn"]  # nothing started
+    assert started == ["spawn", "fork", "spawn"]  # nothing started
     launch(summed_rank, 2, 1.0, device="cpu")  # control: spawn still allowed
-    assert started == ["spawn", "spawn"]
+    assert started == ["spawn", "fork", "spawn", "spawn"]
 
 
 # ----- launches at once --------------------------------------------------------------------------

@@ -245,3 +245,60 @@ def test_second_backward_before_step_is_refused():
     opt.step()
     m(torch.ones(1, 4)).sum().backward()  # after step(): fine again
     assert opt.steps_in_backward == 4 and isinstance(opt, torch.optim.Optimizer)
+
+
+# ----- bitsandbytes' device sync per parameter (issue 34 item 5) ----------------------------------------
+@pytest.fixture
+def bnb_syncs(monkeypatch):
+    """A stand-in for bitsandbytes' device sync that counts its calls, with the compute-side parameters
+    taken as CUDA ones (on this CPU the token would never pick bitsandbytes, whose sync is then a no-op)."""
+    bnb_opt = pytest.importorskip("bitsandbytes.optim.optimizer")
+    import colabkit.techniques.optimizers as O
+    calls = []
+    monkeypatch.setattr(bnb_opt, "sync_gpu", lambda t: calls.append(tuple(t.shape)))
+    monkeypatch.setattr(O, "_on_device", lambda p: not getattr(p, "_colabkit_host", False))
+    return calls
+
+
+def _kernel(t):
+    opt = t.optimizer
+    while hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return type(opt).__module__.split(".")[0], type(opt).__name__
+
+
+def test_adamw8bit_under_fused_step_never_syncs_per_parameter(bnb_syncs):
+    from colabkit.techniques.optimizers import AdamW8bit
+    plain, _ = _run("adamw8bit", steps=1)  # negative control: bitsandbytes' kernel syncs once per parameter
+    n = sum(1 for p in plain.model.parameters() if p.requires_grad)
+    assert _kernel(plain) == ("bitsandbytes", "AdamW8bit") and len(bnb_syncs) == n
+    bnb_syncs.clear()
+    fused, losses = _run("adamw8bit+fused-step", steps=2)
+    assert _kernel(fused) == ("colabkit", "AdamW8bit") and bnb_syncs == [] and fused.optimizer.steps_in_backward == 2 * n
+    # its numbers: colabkit's AdamW8bit stepped as one plain step (the fused wrapper changes nothing else)
+    torch.manual_seed(0)
+    ref = Trainer(build_model(MODEL, seq=32), "baseline", device="cpu")
+    ref.optimizer = AdamW8bit(ref.optimizer.param_groups, lr=ref.ctx.lr, min_8bit_size=4096)
+    ref_losses = [ref.step(*TextData().batch(4, 32, step=i)) for i in range(2)]
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+def test_offload_params_gives_adamw8bit_one_kernel_for_both_sides(bnb_syncs):
+    """offload:params puts block parameters on the host and the rest on the device: bitsandbytes would get
+    both in one optimizer; colabkit's kernel runs each on its own side (no per-parameter sync)."""
+    torch.manual_seed(0)
+    t = Trainer(build_model(MODEL, seq=32), "adamw8bit+offload:params", device="cpu", offload_sim=True)
+    sides = {getattr(p, "_colabkit_host", False) for g in t.optimizer.param_groups for p in g["params"]}
+    assert sides == {True, False}  # the mix bitsandbytes was handed
+    t.step(*TextData().batch(4, 32, step=0))
+    assert _kernel(t) == ("colabkit", "AdamW8bit") and bnb_syncs == []
+
+
+@pytest.mark.parametrize("opt", ["lion", "lion8bit", "paged-adamw8bit"])
+def test_bitsandbytes_only_optimizers_with_fused_step_refused_on_a_gpu(opt):
+    pytest.importorskip("bitsandbytes")
+    with pytest.raises(PlanError, match=f"'fused-step' with '{opt}' on a GPU: bitsandbytes synchronizes the device"):
+        Plan.parse(f"{opt}+fused-step").check(Context(device=torch.device("cuda")))
+    Plan.parse(f"{opt}+fused-step" if opt != "paged-adamw8bit" else "adamw8bit+fused-step").check(
+        Context(device=torch.device("cpu")))  # negative control: on the CPU its sync is a no-op
+    Plan.parse("adamw8bit+fused-step").check(Context(device=torch.device("cuda")))  # colabkit's kernel there

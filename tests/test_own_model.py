@@ -181,7 +181,7 @@ def test_images_and_tuples_and_xy_still_work():
 
 
 @pytest.mark.parametrize("model, batch, y, match", [
-    (bert, "tokens", "tokens", "cannot make a loss from the model's output"),  # BERT given LM targets: raw ValueError before
+    (bert, "tokens", "tokens", "sequence-classification head needs labels of shape"),  # LM targets: raw ValueError before
     (ConvNet, "img-no-labels", None, "no 'labels'"),
     (ConvNet, "img-extra-key", None, "also has \\['token_type_ids'\\]"),
     (gpt2, "x-only", None, "needs the targets"),

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..batches import Batch, count, head_of, summed_loss
+from ..batches import Batch, add_decoder_inputs, count, head_of, summed_loss
 from ..data import IGNORE_INDEX
 from ..memory import MemoryTracker
 from ..models import logits_of
@@ -269,6 +269,7 @@ def loss_in_forward(model: nn.Module, chunk: int = AUTO) -> nn.Module:
         if kwargs.get("shift_labels") is not None:
             raise PlanError("chunked-ce: shift_labels (context parallelism) is not supported: drop chunked-ce")
         kwargs.pop("labels")
+        add_decoder_inputs(model, kwargs, labels)  # T5/BART: the decoder's inputs, as the model makes them from labels
         n = kwargs.pop("num_items_in_batch", None)
         with chunked_logits(chunk):
             out = inner(*args, **kwargs)

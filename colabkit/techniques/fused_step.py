@@ -24,6 +24,7 @@ import torch
 
 from ..plan import Context, Plan, PlanError, Technique, register
 from ._wrapper import WrappedOptimizer
+from .optimizers import BNB_SYNC_PER_PARAM
 
 
 class FusedStepOptimizer(WrappedOptimizer, torch.optim.Optimizer):
@@ -137,6 +138,10 @@ def _check(plan: Plan, ctx: Context) -> None:
     if ctx.max_grad_norm is not None:
         raise PlanError("'fused-step' cannot clip by the global gradient norm: the norm needs every gradient "
                         "before any step. Train without max_grad_norm, or drop fused-step")
+    if ctx.cuda and plan.optimizer in BNB_SYNC_PER_PARAM:
+        raise PlanError(f"'fused-step' with {plan.optimizer_token!r} on a GPU: bitsandbytes synchronizes the device after "
+                        "every parameter it steps (Optimizer8bit.step), so inside backward that is a full GPU stall per "
+                        "tensor: use adamw8bit (colabkit's own 8-bit kernel under fused-step) or adamw4bit, or drop fused-step")
     if "fp16" in plan:
         raise PlanError("'fused-step' with 'fp16': the GradScaler must check every gradient for inf/NaN before "
                         "any parameter steps, and fused-step has already stepped them. Drop fp16 (fp32 "

@@ -478,14 +478,24 @@ def _bnb_opt(cls_name: str, **kw):
     return make
 
 
-def _on_cuda(groups: list[dict]) -> bool:
-    return any(p.is_cuda for g in groups for p in g["params"])
+def _on_device(p: torch.Tensor) -> bool:
+    """A CUDA parameter that stays on the device (not one of offload:params' host-side block parameters)."""
+    return p.is_cuda and not getattr(p, "_colabkit_host", False)
+
+
+# bitsandbytes' Optimizer8bit.step synchronizes the device after every parameter (sync_gpu): harmless once per
+# step, but under fused-step each parameter is stepped alone inside backward, so it is a full GPU stall per tensor.
+BNB_SYNC_PER_PARAM = ("paged-adamw8bit", "lion", "lion8bit")  # bitsandbytes only: refused with fused-step on CUDA
 
 
 def _adamw8bit(groups: list[dict], plan: Plan, ctx: Context) -> torch.optim.Optimizer:
-    """bitsandbytes' AdamW8bit for CUDA parameters (its fused blockwise kernel); :class:`AdamW8bit` (same
-    state bytes, pure torch) elsewhere, where bitsandbytes runs a slow fallback."""
-    if _on_cuda(groups):
+    """bitsandbytes' AdamW8bit when every parameter is on the GPU and steps together (its fused blockwise
+    kernel); :class:`AdamW8bit` (same state bytes, pure torch) otherwise: off CUDA, where bitsandbytes runs a
+    slow fallback; under fused-step, where bitsandbytes' device sync after every parameter would stall
+    backward once per tensor; and with offload:params, where bitsandbytes would get host and device parameters
+    mixed in one optimizer (colabkit's kernel runs each on its own side, with per-device scratch)."""
+    ps = [p for g in groups for p in g["params"]]
+    if ps and all(_on_device(p) for p in ps) and "fused-step" not in plan:
         return _bnb_opt("AdamW8bit", min_8bit_size=MIN_QUANT_SIZE)(groups, plan, ctx)
     return AdamW8bit(groups, lr=ctx.lr, min_8bit_size=MIN_QUANT_SIZE)
 
