@@ -64,7 +64,7 @@ from .techniques.chunked_ce import ChunkedLogits, loss_in_forward
 from .techniques.optimizers import HF_OPTIM
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
-           "check_ran", "check_one_device",
+           "check_ran", "check_measurable", "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -387,6 +387,22 @@ def check_ran(model: torch.nn.Module) -> None:
     raise PlanError("; ".join(why))
 
 
+def check_measurable(optimizer: Any) -> None:
+    """PlanError for an optimizer whose step cannot run under the tracker: torchao's low-bit AdamW (the
+    Trainer's ``adamw_torch_4bit``, the ``adamw4bit`` token) compiles its step with ``torch.compile(fullgraph=True)``,
+    which fails under the tracker's dispatch mode -- said at the start instead of a compile error mid-step.
+
+    >>> check_measurable(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if type(inner).__module__.startswith("torchao"):
+        raise PlanError(f"MemoryCallback cannot measure torchao's {type(inner).__name__} (adamw_torch_4bit): it compiles "
+                        "its step with torch.compile(fullgraph=True), which cannot run under the tracker's dispatch "
+                        "mode; give the Trainer colabkit's 4-bit AdamW instead -- Trainer(..., optimizers="
+                        "(colabkit.make_optimizer(model, 'adamw4bit'), None)) with adamw4bit dropped from "
+                        "training_arguments' plan -- or train without MemoryCallback")
+
+
 def check_one_device(model: torch.nn.Module) -> None:
     """Warn when ``device_map`` split the model over several GPUs: the tracker measures one device (the
     current one), so the figures would leave out the other GPUs' share. colabkit loads on one device
@@ -453,6 +469,7 @@ class MemoryCallback:
         self.close()  # a tracker left on by a run that raised
         check_run(args, model)
         check_one_device(model)
+        check_measurable(optimizer)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer

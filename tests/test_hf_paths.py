@@ -67,11 +67,17 @@ class Run:
         return self.report["breakdown"]["activations"]
 
 
-def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False) -> Run:
+def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False, own_optimizer: str | None = None) -> Run:
     """Train ``STEPS`` steps of ``plan`` under transformers.Trainer ('hf') or SFTTrainer ('trl'); a refusal or a
-    stop raises PlanError."""
+    stop raises PlanError. ``own_optimizer``: the Trainer gets ``colabkit.make_optimizer(model, own_optimizer)``."""
     torch.manual_seed(0)
     model = hf.prepare_model(build_model("llama:2x128"), plan, device="cpu", offload_sim=offload_sim)
+    if own_optimizer is not None:
+        import colabkit
+
+        kw_opt = {"optimizers": (colabkit.make_optimizer(model, own_optimizer), None)}
+    else:
+        kw_opt = {}
     kw = dict(output_dir=str(tmp_path / f"{kind}-out"), per_device_train_batch_size=B, max_steps=STEPS,
               logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
               learning_rate=1e-3, offload_sim=offload_sim)
@@ -82,11 +88,11 @@ def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False) -> Run:
         with_kwargs=True)
     if kind == "hf":
         trainer = transformers.Trainer(model=model, args=hf.training_arguments(plan, **kw), train_dataset=data["hf"],
-                                       callbacks=[cb])
+                                       callbacks=[cb], **kw_opt)
     else:
         ds, tokenizer = data["trl"]
         trainer = trl.SFTTrainer(model=model, args=hf.training_arguments(plan, cls=trl.SFTConfig, max_length=S, **kw),
-                                 train_dataset=ds, processing_class=tokenizer, callbacks=[cb])
+                                 train_dataset=ds, processing_class=tokenizer, callbacks=[cb], **kw_opt)
     try:
         trainer.train()
     finally:
@@ -183,7 +189,9 @@ def optimizer(cls_name: str, low: float, high: float):
         opt = getattr(r.trainer.optimizer, "optimizer", r.trainer.optimizer)
         assert type(opt).__name__ == cls_name
         state = r.report["breakdown"]["optimizer"]
-        assert state == _state_bytes(opt)
+        # the category's own peak: Adafactor replaces each parameter's 0-dim fp32 RMS every step, so an old one
+        # can coexist with its replacement at that peak (4 bytes per parameter at most); the others are exact
+        assert _state_bytes(opt) <= state <= _state_bytes(opt) + (4 * len(opt.state) if cls_name == "Adafactor" else 0)
         n = sum(p.numel() for p in r.model.parameters() if p.requires_grad)
         assert low <= state / n <= high, state / n
     return check
@@ -191,6 +199,10 @@ def optimizer(cls_name: str, low: float, high: float):
 
 def stopped(match: str):
     return ("stopped", match)
+
+
+def stopped_at_start(match: str):
+    return ("stopped at start", match)
 
 
 def refused(match: str):
@@ -209,7 +221,8 @@ MATRIX = {
     "attention:math": (attention_math,) * 2,
     "offload:activations": (witnessed("offload:activations", less("activations", 0.9)),) * 2,
     "chunked-ce": (witnessed("chunked-ce", without_logits), stopped("TRL's fused LM head")),
-    "checkpoint": (less("activations", 0.5),) * 2,
+    # (under SFTTrainer the activations also hold TRL's fused head's buffers, which checkpointing leaves alone)
+    "checkpoint": (less("activations", 0.5), less("activations", 0.9)),
     "checkpoint:2": (less("activations"),) * 2,
     "bf16": (less("activations", 0.9),) * 2,
     "accum:2": (accumulated(2),) * 2,
@@ -217,7 +230,7 @@ MATRIX = {
     "qlora:4": (witnessed("qlora:4", adapters(True)),) * 2,
     "adamw": (optimizer("AdamW", 8.0, 8.01),) * 2,
     "adamw8bit": (optimizer("AdamW", 1.9, 3.0),) * 2,
-    "adamw4bit": (optimizer("AdamW4bit", 0.9, 1.6),) * 2,
+    "adamw4bit": (stopped_at_start("torch.compile\\(fullgraph=True\\)"),) * 2,
     "lion": (optimizer("Lion", 4.0, 4.01),) * 2,
     "lion8bit": (optimizer("Lion", 0.9, 1.6),) * 2,
     "adafactor": (optimizer("Adafactor", 0.0, 0.1),) * 2,
@@ -232,6 +245,12 @@ def check_cell(kind: str, tok: str, data, baselines, tmp_path) -> None:
     if isinstance(expect, tuple) and expect[0] == "refused":
         with pytest.raises(PlanError, match=expect[1]):
             run(kind, tok, data, tmp_path)
+        return
+    if isinstance(expect, tuple) and expect[0] == "stopped at start":  # MemoryCallback's on_train_begin
+        with pytest.raises(PlanError, match=expect[1]):
+            run(kind, tok, data, tmp_path)
+        # what the reason offers instead runs and measures: colabkit's 4-bit AdamW, ~1 byte per parameter
+        optimizer("AdamW4bit", 0.9, 1.6)(run(kind, "baseline", data, tmp_path, own_optimizer=tok), baselines(kind))
         return
     if isinstance(expect, tuple) and expect[0] == "stopped":
         with pytest.raises(PlanError, match="did not run in the first training step") as e:
