@@ -12,7 +12,12 @@ Three pieces for ``transformers.Trainer`` (and TRL's ``SFTTrainer``, a subclass 
 
 The same plan goes to both functions; each token is applied by exactly one of them, and a token that
 neither can apply faithfully is refused by both, saying what to do instead. At the start of training
-``MemoryCallback`` checks that the model and the arguments carry the whole plan.
+``MemoryCallback`` checks that the model and the arguments carry the whole plan, and after the first training
+forward that each model-side token ran (its context entered, its hook fired, its loss computed): a caller that
+goes around ``model.forward`` -- TRL's fused LM head calls the backbone and the head's weight itself -- gets the
+forward contexts on the backbone, and what still did not run stops the run with the reason (chunked-ce under
+TRL's fused head). Arguments classes with defaults of their own (TRL's ``SFTConfig``: bf16, gradient
+checkpointing) follow the plan.
 
 ============================  ===========  ==================================================================
 token                         applied by   transformers-native form
@@ -27,10 +32,11 @@ adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adam
                                            lion_32bit, lion_8bit, adamw_torch_4bit (torchao's 4-bit AdamW,
                                            blocks of 256), adafactor, sgd (+ ``optim_args="momentum=M"``)
 lora:R, qlora:R               model        colabkit's LoRA (peft adapters; qlora: bitsandbytes NF4 base)
-compress:int8, attention:X    model        their forward context around ``model.forward``
-checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
+compress:int8, attention:X    model        their forward context around ``model.forward`` and the backbone's
+checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM (as above)
 chunked-ce, chunked-ce:C      model        the LM head returns its input, and the model, given labels while
-                                           training, computes the chunked loss itself (``num_items_in_batch``)
+                                           training, computes the chunked loss itself (``num_items_in_batch``);
+                                           stopped under TRL's fused LM head, which computes its own
 fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
 galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
 params/disk, zero:N
