@@ -211,6 +211,7 @@ def _ran(model: torch.nn.Module) -> dict[str, int]:
     """``{token: times it ran}`` for the model-side tokens :func:`prepare_model` can witness (their forward
     context entered, their hook fired, their loss computed); :class:`MemoryCallback` checks it at the first
     training step."""
+    model = unwrap(model)  # a peft PeftModel: the transformers model under it, where check_ran looks
     if "_colabkit_ran" not in model.__dict__:
         model._colabkit_ran = {}
     return model._colabkit_ran
@@ -246,8 +247,8 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
         module.forward = forward
 
     wrap(model)
-    backbone = getattr(model, "base_model", model)
-    if isinstance(backbone, torch.nn.Module) and backbone is not model:
+    backbone = getattr(unwrap(model), "base_model", model)  # under a PeftModel: the transformers model's backbone
+    if isinstance(backbone, torch.nn.Module) and backbone is not model and backbone is not unwrap(model):
         wrap(backbone)
 
 
@@ -320,7 +321,7 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
         _with_contexts(model, makers, plan, ctx)
     if not getattr(model, "_colabkit_placed", False):
         model = model.to(dev)
-    model._colabkit_plan = str(plan)
+    model._colabkit_plan = unwrap(model)._colabkit_plan = str(plan)  # a PeftModel keeps its own attributes
     return model
 
 

@@ -67,11 +67,13 @@ class Run:
         return self.report["breakdown"]["activations"]
 
 
-def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False, own_optimizer: str | None = None) -> Run:
+def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False, own_optimizer: str | None = None,
+        make=lambda: build_model("llama:2x128")) -> Run:
     """Train ``STEPS`` steps of ``plan`` under transformers.Trainer ('hf') or SFTTrainer ('trl'); a refusal or a
-    stop raises PlanError. ``own_optimizer``: the Trainer gets ``colabkit.make_optimizer(model, own_optimizer)``."""
+    stop raises PlanError. ``own_optimizer``: the Trainer gets ``colabkit.make_optimizer(model, own_optimizer)``;
+    ``make`` builds the model."""
     torch.manual_seed(0)
-    model = hf.prepare_model(build_model("llama:2x128"), plan, device="cpu", offload_sim=offload_sim)
+    model = hf.prepare_model(make(), plan, device="cpu", offload_sim=offload_sim)
     if own_optimizer is not None:
         import colabkit
 
@@ -280,6 +282,21 @@ def test_model_side_tokens_apply_or_stop(kind, tok, data, baselines, tmp_path):
 def test_hf_path_matrix(kind, tok, data, baselines, tmp_path):
     """Every other plan token under both trainers: applied with its effect measured, or refused with the reason."""
     check_cell(kind, tok, data, baselines, tmp_path)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[needs_trl] if k == "trl" else []) for k in KINDS])
+def test_a_users_peft_model_takes_the_model_side_tokens(kind, data, tmp_path):
+    """The user's own peft PeftModel (adapters by peft.get_peft_model) given compress:int8: the plan is found on the
+    model under the wrapper, the contexts reach its backbone under both trainers, activations shrink. Reference:
+    the same PeftModel without the token."""
+    peft = pytest.importorskip("peft")
+
+    def make():
+        return peft.get_peft_model(build_model("llama:2x128"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    plain, packed = (run(kind, plan, data, tmp_path / plan, make=make) for plan in ("baseline", "compress:int8"))
+    assert packed.model.get_base_model()._colabkit_ran["compress:int8"] == STEPS
+    assert packed.acts < 0.95 * plain.acts, (packed.acts, plain.acts)  # SFTTrainer: TRL's head buffers stay
 
 
 @needs_trl
