@@ -102,6 +102,15 @@ def _transformers():
     return transformers
 
 
+def _parse(plan: Plan | str) -> Plan:
+    """``Plan.parse``, with ``auto`` refused saying how to choose a plan for transformers' Trainer."""
+    if isinstance(plan, str) and "auto" in plan.split("+"):
+        raise PlanError("plan='auto' picks a plan for colabkit's own loop; for transformers' Trainer choose it first -- "
+                        "plan = colabkit.choose_plan(model, batch, seq)['plan'] -- and give that plan to "
+                        "colabkit.hf.prepare_model and colabkit.hf.training_arguments")
+    return Plan.parse(plan)
+
+
 def _spelled(plan: Plan, name: str) -> str:
     return next((t for t in plan.tokens if t == name or t.startswith(name + ":")), name)
 
@@ -118,7 +127,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
     >>> split_plan("lora:8+accum:2+compress:int8")
     ({'accum:2': {'gradient_accumulation_steps': 2}}, ['compress:int8', 'lora:8'])
     """
-    plan, cuda = Plan.parse(plan), torch.device(device).type == "cuda"
+    plan, cuda = _parse(plan), torch.device(device).type == "cuda"
     loop: dict[str, dict[str, Any]] = {}
     model: list[str] = []
     for name, value in plan.values:
@@ -153,7 +162,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
 def loop_arguments(plan: Plan | str, device: str | torch.device = "cpu") -> dict[str, Any]:
     """The ``TrainingArguments`` keywords of a plan's loop-side tokens, colabkit's AdamW when it names
     no optimizer (see :func:`training_arguments`)."""
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     out: dict[str, Any] = {}
     for kw in split_plan(plan, device)[0].values():
         out.update(kw)
@@ -180,7 +189,7 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     (4, 8, 'adamw_bnb_8bit')
     """
     tf = _transformers()
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
     mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
     plan.check(Context(device=dev, env=env(), offload_sim=offload_sim))  # (bf16 on a T4, paged on a CPU, ...)
@@ -296,7 +305,7 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     >>> count_params(m, trainable_only=True), m._colabkit_plan
     (8192, 'lora:4+accum:2')
     """
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     dev = torch.device(device or default_device())
     ctx = Context(device=dev, env=env(), model=model, offload_sim=offload_sim)
     side = split_plan(plan, dev)[1]

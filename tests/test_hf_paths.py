@@ -216,7 +216,10 @@ _REFUSALS = [("fused-step", "steps each parameter inside backward"), ("adam-mini
              ("galore:8", "slice of the whole SVD factor"), ("offload:optimizer", "builds and steps its own optimizer"),
              ("offload:params", "moves the whole model to the device"),
              ("offload:disk", "builds and steps its own optimizer"), ("zero:2", "shards through accelerate"),
-             ("paged-adamw8bit", "no GPU memory to page"), ("fp16", "neither autocasts nor scales the loss there")]
+             ("paged-adamw8bit", "no GPU memory to page"), ("fp16", "neither autocasts nor scales the loss there"),
+             ("zero:1", "shards through accelerate"), ("zero:3", "shards through accelerate"),
+             ("attention:efficient", "on the CPU only attention:math can be forced"),
+             ("auto", "choose it first -- plan = colabkit.choose_plan")]
 # token -> (transformers.Trainer, TRL's SFTTrainer): a check against the same trainer's plain run, or a refusal/stop
 MATRIX = {
     "compress:int8": (witnessed("compress:int8", less("activations", 0.9)),) * 2,
@@ -239,7 +242,7 @@ MATRIX = {
     "sgd": (optimizer("SGD", 0.0, 0.0),) * 2,
     **{tok: (refused(why),) * 2 for tok, why in _REFUSALS},
 }
-FAST = {"compress:int8", "attention:math", "offload:activations", "chunked-ce", "fused-step"}
+FAST = {"compress:int8", "attention:math", "offload:activations", "chunked-ce", "fused-step", "auto"}
 
 
 def check_cell(kind: str, tok: str, data, baselines, tmp_path) -> None:
