@@ -12,12 +12,18 @@ Three pieces for ``transformers.Trainer`` (and TRL's ``SFTTrainer``, a subclass 
 
 The same plan goes to both functions; each token is applied by exactly one of them, and a token that
 neither can apply faithfully is refused by both, saying what to do instead. At the start of training
-``MemoryCallback`` checks that the model and the arguments carry the whole plan.
+``MemoryCallback`` checks that the model and the arguments carry the whole plan, and after the first training
+forward that each model-side token ran (its context entered, its hook fired, its loss computed): a caller that
+goes around ``model.forward`` -- TRL's fused LM head calls the backbone and the head's weight itself -- gets the
+forward contexts on the backbone, and what still did not run stops the run with the reason (chunked-ce under
+TRL's fused head). Arguments classes with defaults of their own (TRL's ``SFTConfig``: bf16, gradient
+checkpointing) follow the plan.
 
 ============================  ===========  ==================================================================
 token                         applied by   transformers-native form
 ============================  ===========  ==================================================================
-fp16, bf16                    arguments    ``fp16=True`` / ``bf16=True`` (autocast; fp16 with a GradScaler)
+fp16, bf16                    arguments    ``fp16=True`` / ``bf16=True`` (autocast; fp16 with a GradScaler; fp16
+                                           refused on the CPU, where accelerate would run it in fp32)
 checkpoint                    arguments    ``gradient_checkpointing=True`` (non-reentrant; 5.x:
                                            ``activation_checkpointing``)
 accum:K                       arguments    ``gradient_accumulation_steps=K`` (per_device_train_batch_size is
@@ -26,16 +32,17 @@ adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adam
                                            lion_32bit, lion_8bit, adamw_torch_4bit (torchao's 4-bit AdamW,
                                            blocks of 256), adafactor, sgd (+ ``optim_args="momentum=M"``)
 lora:R, qlora:R               model        colabkit's LoRA (peft adapters; qlora: bitsandbytes NF4 base)
-compress:int8, attention:X    model        their forward context around ``model.forward``
-checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM
+compress:int8, attention:X    model        their forward context around ``model.forward`` and the backbone's
+checkpoint:N, offload:acts.   model        every N-th layer / saved activations to host RAM (as above)
 chunked-ce, chunked-ce:C      model        the LM head returns its input, and the model, given labels while
-                                           training, computes the chunked loss itself (``num_items_in_batch``)
+                                           training, computes the chunked loss itself (``num_items_in_batch``);
+                                           stopped under TRL's fused LM head, which computes its own
 fused-step, adam-mini,        refused      the message says what to do (colabkit.Trainer, or
 galore:R, offload:optimizer/                ``Trainer(optimizers=(colabkit.make_optimizer(model, tok), None))``)
 params/disk, zero:N
 ============================  ===========  ==================================================================
 
->>> sorted(loop_arguments("fp16+accum:4+adamw8bit", "cpu").items())
+>>> sorted(loop_arguments("fp16+accum:4+adamw8bit", "cuda").items())
 [('fp16', True), ('gradient_accumulation_steps', 4), ('optim', 'adamw_bnb_8bit')]
 >>> loop_arguments("fused-step")
 Traceback (most recent call last):
@@ -59,11 +66,11 @@ from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
-from .techniques.chunked_ce import loss_in_forward
+from .techniques.chunked_ce import ChunkedLogits, loss_in_forward
 from .techniques.optimizers import HF_OPTIM
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
-           "check_one_device",
+           "check_ran", "check_measurable", "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -95,6 +102,15 @@ def _transformers():
     return transformers
 
 
+def _parse(plan: Plan | str) -> Plan:
+    """``Plan.parse``, with ``auto`` refused saying how to choose a plan for transformers' Trainer."""
+    if isinstance(plan, str) and "auto" in plan.split("+"):
+        raise PlanError("plan='auto' picks a plan for colabkit's own loop; for transformers' Trainer choose it first -- "
+                        "plan = colabkit.choose_plan(model, batch, seq)['plan'] -- and give that plan to "
+                        "colabkit.hf.prepare_model and colabkit.hf.training_arguments")
+    return Plan.parse(plan)
+
+
 def _spelled(plan: Plan, name: str) -> str:
     return next((t for t in plan.tokens if t == name or t.startswith(name + ":")), name)
 
@@ -111,7 +127,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
     >>> split_plan("lora:8+accum:2+compress:int8")
     ({'accum:2': {'gradient_accumulation_steps': 2}}, ['compress:int8', 'lora:8'])
     """
-    plan, cuda = Plan.parse(plan), torch.device(device).type == "cuda"
+    plan, cuda = _parse(plan), torch.device(device).type == "cuda"
     loop: dict[str, dict[str, Any]] = {}
     model: list[str] = []
     for name, value in plan.values:
@@ -127,6 +143,10 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
             key = _checkpoint_field()  # transformers 5.x renamed gradient_ to activation_checkpointing
             loop[tok] = {key: True, f"{key}_kwargs": {"use_reentrant": False}}
         elif name in ("fp16", "bf16"):
+            if name == "fp16" and not cuda:  # accelerate turns native AMP on for fp16 only off the CPU
+                raise PlanError("'fp16' on the CPU: transformers' Trainer (accelerate) neither autocasts nor scales "
+                                "the loss there, so the run would be fp32 with fp16 in its name; use bf16 on the "
+                                "CPU, colabkit.Trainer(model, plan) for fp16, or a GPU")
             loop[tok] = {name: True}
         elif name == "accum":
             loop[tok] = {"gradient_accumulation_steps": value}
@@ -142,7 +162,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
 def loop_arguments(plan: Plan | str, device: str | torch.device = "cpu") -> dict[str, Any]:
     """The ``TrainingArguments`` keywords of a plan's loop-side tokens, colabkit's AdamW when it names
     no optimizer (see :func:`training_arguments`)."""
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     out: dict[str, Any] = {}
     for kw in split_plan(plan, device)[0].values():
         out.update(kw)
@@ -156,26 +176,35 @@ def _norm(v: Any) -> Any:
 
 
 def training_arguments(plan: Plan | str = "baseline", device: str | torch.device | None = None, cls: type | None = None,
-                       **kwargs: Any):
+                       offload_sim: bool = False, **kwargs: Any):
     """``transformers.TrainingArguments(**kwargs)`` with the plan's loop-side tokens in their native form
     (the table in this module's docstring). Model-side tokens are left to :func:`prepare_model`; a
     keyword that contradicts a token, or a token with no faithful form, is a PlanError. ``device`` (default:
     the GPU if there is one, the CPU with ``use_cpu=True``) decides e.g. the fused AdamW and bf16's check;
-    ``cls`` is the arguments class (default ``TrainingArguments``; e.g. TRL's ``SFTConfig``).
+    ``cls`` is the arguments class (default ``TrainingArguments``; e.g. TRL's ``SFTConfig``, whose defaults -- bf16,
+    gradient checkpointing -- give way to the plan); ``offload_sim`` as given to :func:`prepare_model`.
 
     >>> args = training_arguments("checkpoint+accum:4+adamw8bit", output_dir="out", report_to="none")
     >>> args.gradient_accumulation_steps, args.per_device_train_batch_size, str(args.optim.value)
     (4, 8, 'adamw_bnb_8bit')
     """
     tf = _transformers()
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
     mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
-    plan.check(Context(device=dev, env=env()))  # (bf16 on a T4, paged on a CPU, ...)
+    plan.check(Context(device=dev, env=env(), offload_sim=offload_sim))  # (bf16 on a T4, paged on a CPU, ...)
     for key, value in mapped.items():
         if key in kwargs and _norm(kwargs[key]) != value:
             raise PlanError(f"{key}={kwargs[key]!r} contradicts the plan {str(plan)!r}, which sets {key}={value!r}: "
                             "drop the keyword or change the plan")
+    ckpt = _checkpoint_field()
+    for key, tok in (("fp16", "fp16"), ("bf16", "bf16"), (ckpt, "checkpoint")):
+        # off unless the plan says so: TRL's SFTConfig defaults bf16 and gradient checkpointing on
+        if key not in mapped:
+            if kwargs.get(key):
+                raise PlanError(f"{key}=True is not in the plan {str(plan)!r}: add {tok!r} to the plan (the plan is "
+                                "what colabkit applies, checks and reports) and drop the keyword")
+            kwargs[key] = False
     kwargs.setdefault("output_dir", "trainer_output")
     args = (cls or tf.TrainingArguments)(**{**mapped, **kwargs})
     args.colabkit_plan = str(plan)  # what MemoryCallback checks the run against
@@ -187,20 +216,71 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     return args
 
 
+def _ran(model: torch.nn.Module) -> dict[str, int]:
+    """``{token: times it ran}`` for the model-side tokens :func:`prepare_model` can witness (their forward
+    context entered, their hook fired, their loss computed); :class:`MemoryCallback` checks it at the first
+    training step."""
+    model = unwrap(model)  # a peft PeftModel: the transformers model under it, where check_ran looks
+    if "_colabkit_ran" not in model.__dict__:
+        model._colabkit_ran = {}
+    return model._colabkit_ran
+
+
 def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Context) -> None:
     """Run ``model.forward`` inside the techniques' forward contexts (saved-tensor hooks, SDPA backend): what
     is saved for backward in the forward -- the loss included, which transformers computes inside -- is
-    packed; backward unpacks it wherever it runs."""
-    inner = model.forward
+    packed; backward unpacks it wherever it runs. The backbone (``model.base_model``) gets the same contexts
+    for callers that go around ``model.forward`` -- TRL's fused LM head calls the backbone itself -- entered
+    once: not again inside the model's own forward. ``makers``: ``[(token, make)]``; each entry is counted
+    in :func:`_ran`."""
+    ran = _ran(model)
+    model._colabkit_inside = False
 
-    @functools.wraps(inner)  # keeps the signature transformers inspects (labels, loss kwargs)
+    def wrap(module: torch.nn.Module) -> None:
+        inner = module.forward
+
+        @functools.wraps(inner)  # keeps the signature transformers inspects (labels, loss kwargs)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if model._colabkit_inside:  # the backbone inside the model's own forward: entered already
+                return inner(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for tok, make in makers:
+                    stack.enter_context(make(plan, ctx))
+                    ran[tok] = ran.get(tok, 0) + 1
+                model._colabkit_inside = True
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    model._colabkit_inside = False
+
+        module.forward = forward
+
+    wrap(model)
+    backbone = getattr(unwrap(model), "base_model", model)  # under a PeftModel: the transformers model's backbone
+    if isinstance(backbone, torch.nn.Module) and backbone is not model and backbone is not unwrap(model):
+        wrap(backbone)
+
+
+def _witness_chunked(model: torch.nn.Module, tok: str) -> None:
+    """Count the forwards whose loss colabkit's chunked cross-entropy computed (logits left as ChunkedLogits)."""
+    inner, ran = model.forward, _ran(model)
+
+    @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            for make in makers:
-                stack.enter_context(make(plan, ctx))
-            return inner(*args, **kwargs)
+        out = inner(*args, **kwargs)
+        if isinstance(getattr(out, "logits", None), ChunkedLogits):
+            ran[tok] = ran.get(tok, 0) + 1
+        return out
 
     model.forward = forward
+
+
+def _witness_adapters(model: torch.nn.Module, tok: str) -> None:
+    """Count the forwards of the first LoRA layer (a forward hook)."""
+    ran = _ran(model)
+    layer = next((m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")), None)
+    if layer is not None:
+        layer.register_forward_hook(lambda *_: ran.__setitem__(tok, ran.get(tok, 0) + 1))
 
 
 def _mark_adapters(model: torch.nn.Module) -> None:
@@ -225,7 +305,7 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     >>> count_params(m, trainable_only=True), m._colabkit_plan
     (8192, 'lora:4+accum:2')
     """
-    plan = Plan.parse(plan)
+    plan = _parse(plan)
     dev = torch.device(device or default_device())
     ctx = Context(device=dev, env=env(), model=model, offload_sim=offload_sim)
     side = split_plan(plan, dev)[1]
@@ -236,18 +316,21 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
             model = t.prepare_model(model, plan, ctx)
     if names & {"lora", "qlora"}:
         _mark_adapters(model)
+        _witness_adapters(model, next(t for t in side if t.partition(":")[0] in ("lora", "qlora")))
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
     if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
         loss_in_forward(model, plan.get("chunked-ce"))
-    makers = [t.forward_context for t in plan.techniques()
+        _witness_chunked(model, _spelled(plan, "chunked-ce"))
+    makers = [("offload:activations" if t.name == "offload" else _spelled(plan, t.name), t.forward_context)
+              for t in plan.techniques()
               if t.forward_context is not None and t.name in names and t.name in ("compress", "attention", "offload")]
     if makers:
         _with_contexts(model, makers, plan, ctx)
     if not getattr(model, "_colabkit_placed", False):
         model = model.to(dev)
-    model._colabkit_plan = str(plan)
+    model._colabkit_plan = unwrap(model)._colabkit_plan = str(plan)  # a PeftModel keeps its own attributes
     return model
 
 
@@ -268,6 +351,72 @@ def check_run(args: Any, model: torch.nn.Module) -> None:
                     raise PlanError(f"plan token {tok!r} needs TrainingArguments({key}={value!r}), the Trainer has "
                                     f"{key}={getattr(args, key, None)!r}: build them with "
                                     f"colabkit.hf.training_arguments({text!r}, ...)")
+
+
+_FUSED_HEAD = ("TRL's fused LM head (SFTTrainer, DPOTrainer, ...) calls the backbone and scores the tokens from the "
+               "head's weight itself (logits in chunks of 32768 token rows), around model.forward")
+_HOW = {"chunked-ce": "colabkit's chunked cross-entropy never computed the loss",
+        "lora": "no LoRA adapter ran", "qlora": "no LoRA adapter ran"}
+
+
+def _trl_fused(model: torch.nn.Module) -> bool:
+    """True when TRL's ``add_fused_lm_head`` replaced ``model.forward`` (its code object keeps its name)."""
+    fwd = getattr(model, "forward", None)
+    code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward"
+
+
+def check_ran(model: torch.nn.Module) -> None:
+    """PlanError naming each model-side token of :func:`prepare_model` that did not run in the forward just
+    done (its forward context never entered, its hook never fired, its loss never computed), and why where
+    known: nothing applied is dropped silently. :class:`MemoryCallback` calls it after the first training
+    forward, before any backward or optimizer step.
+
+    >>> from colabkit.models import build_model
+    >>> m = prepare_model(build_model("gpt-tiny"), "compress:int8", device="cpu")
+    >>> m._colabkit_ran
+    {}
+    >>> check_ran(m)
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: plan token 'compress:int8' did not run in the first training step (its forward context was never entered): the model was called around model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop 'compress:int8' from the plan
+    """
+    model = unwrap(model)
+    ran, plan = getattr(model, "_colabkit_ran", None), getattr(model, "_colabkit_plan", None)
+    if ran is None or plan is None:
+        return
+    missing = [t for t in split_plan(plan, "cpu")[1] if not t.startswith("checkpoint") and not ran.get(t)]
+    if not missing:
+        return
+    fused = _trl_fused(model)
+    why = []
+    for t in missing:
+        how = _HOW.get(t.partition(":")[0], "its forward context was never entered")
+        if fused:
+            fix = ("drop it for TRL's trainers (TRL's head already never builds the whole logits of a longer batch), "
+                   "or train with transformers.Trainer" if t.startswith("chunked-ce") else f"drop {t!r} from the plan")
+            why.append(f"plan token {t!r} did not run in the first training step ({how}): {_FUSED_HEAD}; {fix}")
+        else:
+            why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called around "
+                       f"model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop "
+                       f"{t!r} from the plan")
+    raise PlanError("; ".join(why))
+
+
+def check_measurable(optimizer: Any) -> None:
+    """PlanError for an optimizer whose step cannot run under the tracker: torchao's low-bit AdamW (the
+    Trainer's ``adamw_torch_4bit``, the ``adamw4bit`` token) compiles its step with ``torch.compile(fullgraph=True)``,
+    which fails under the tracker's dispatch mode -- said at the start instead of a compile error mid-step.
+
+    >>> check_measurable(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if type(inner).__module__.startswith("torchao"):
+        raise PlanError(f"MemoryCallback cannot measure torchao's {type(inner).__name__} (adamw_torch_4bit): it compiles "
+                        "its step with torch.compile(fullgraph=True), which cannot run under the tracker's dispatch "
+                        "mode; give the Trainer colabkit's 4-bit AdamW instead -- Trainer(..., optimizers="
+                        "(colabkit.make_optimizer(model, 'adamw4bit'), None)) with adamw4bit dropped from "
+                        "training_arguments' plan -- or train without MemoryCallback")
 
 
 def check_one_device(model: torch.nn.Module) -> None:
@@ -325,6 +474,7 @@ class MemoryCallback:
         self._pending: dict[str, float] = {}
         self._step = 0
         self._report: dict[str, Any] | None = None
+        self._verify: Any = None
 
     # ----- the Trainer's events --------------------------------------------------------------------
     def on_init_end(self, args, state, control, **kwargs):
@@ -335,6 +485,7 @@ class MemoryCallback:
         self.close()  # a tracker left on by a run that raised
         check_run(args, model)
         check_one_device(model)
+        check_measurable(optimizer)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer
@@ -343,6 +494,8 @@ class MemoryCallback:
         self.tracker.set_step(self._step)
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        model.register_forward_hook(self._after_forward)]
+        self._verify = model  # the model-side tokens are checked after the first training forward
+        getattr(unwrap(model), "_colabkit_ran", {}).clear()
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self._switch(None)
@@ -411,6 +564,9 @@ class MemoryCallback:
         self._switch("forward" if module.training else "eval")
 
     def _after_forward(self, module, args, output):
+        if module.training and torch.is_grad_enabled() and self._verify is not None:
+            self._verify = None
+            check_ran(module)  # before any backward or optimizer step: the run stops with the reason
         if module.training and torch.is_grad_enabled():
             self._switch("backward")  # the loss is computed inside transformers' forward; backward follows
 

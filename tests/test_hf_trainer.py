@@ -33,8 +33,8 @@ def _fresh_bitsandbytes_overrides(monkeypatch):
 
 # ----- transformers' Trainer: training_arguments, prepare_model, MemoryCallback -----------------------
 def test_training_arguments_maps_every_loop_token():
-    args = hf.training_arguments("fp16+checkpoint+accum:4+lion8bit", output_dir="o", report_to="none", use_cpu=True)
-    assert (args.fp16, args.gradient_accumulation_steps, args.optim.value) == (True, 4, "lion_8bit")
+    args = hf.training_arguments("bf16+checkpoint+accum:4+lion8bit", output_dir="o", report_to="none", use_cpu=True)
+    assert (args.bf16, args.gradient_accumulation_steps, args.optim.value) == (True, 4, "lion_8bit")
     assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     for tok, optim in [("adamw8bit", "adamw_bnb_8bit"), ("lion", "lion_32bit"), ("adamw4bit", "adamw_torch_4bit"),
                        ("adafactor", "adafactor"), ("sgd", "sgd"), ("baseline", "adamw_torch")]:
@@ -50,6 +50,7 @@ def test_training_arguments_maps_every_loop_token():
     ("fused-step", "steps each parameter inside backward"), ("adam-mini", "no Adam-mini"),
     ("galore:8", "slice of the whole SVD factor"), ("offload:optimizer", "builds and steps its own optimizer"),
     ("paged-adamw8bit", "no GPU memory to page"), ("zero:2", "shards through accelerate"),
+    ("fp16", "neither autocasts nor scales the loss there"),
 ])
 def test_training_arguments_refuses_what_has_no_faithful_form(plan, match):
     with pytest.raises(PlanError, match=match):
@@ -215,10 +216,10 @@ def test_the_run_must_carry_the_whole_plan(tmp_path):
     with pytest.raises(PlanError, match="lora:8 live on the model: call colabkit.hf.prepare_model"):
         trainer.train()
     cb.close()
-    model = hf.prepare_model(gpt2(), "fp16+lora:8", device="cpu")
+    model = hf.prepare_model(gpt2(), "bf16+lora:8", device="cpu")
     args = transformers.TrainingArguments(str(tmp_path / "o2"), report_to="none", use_cpu=True, max_steps=1)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_lm_dataset(), callbacks=[cb])
-    with pytest.raises(PlanError, match="plan token 'fp16' needs TrainingArguments\\(fp16=True\\)"):
+    with pytest.raises(PlanError, match="plan token 'bf16' needs TrainingArguments\\(bf16=True\\)"):
         trainer.train()
     cb.close()
 
