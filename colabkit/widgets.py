@@ -268,14 +268,14 @@ def _run_into(out, fn: Callable[[], Any]) -> Any:
 def choices_widget(fn: Callable[..., Any], choices: dict[str, Sequence[Any]], button: str | None = None,
                    defaults: dict[str, Any] | None = None, title: str = ""):
     """A dropdown per argument of ``fn`` (``choices``: name -> options; ``defaults`` or the first option
-    preselected) above an ``Output``: ``fn(**chosen)`` runs there when a choice changes, or only when the
+    preselected; an option listed twice is shown once) above an ``Output``: ``fn(**chosen)`` runs there when a choice changes, or only when the
     ``button`` is pressed if one is named (for choices that take seconds to run). Returns the widget box.
     The notebook calls ``fn`` with the defaults itself: that is what CI runs."""
     import ipywidgets as W
     from IPython.display import display
 
     defaults = defaults or {}
-    drops = {k: W.Dropdown(options=list(v), value=defaults.get(k, list(v)[0]), description=k,
+    drops = {k: W.Dropdown(options=list(dict.fromkeys(v)), value=defaults.get(k, list(v)[0]), description=k,
                            style={"description_width": "initial"}) for k, v in choices.items()}
     out = W.Output()
 

@@ -114,3 +114,13 @@ def test_lesson_problems_negative_controls():
     assert any("closing section" in p for p in lesson_problems(good + [cell("markdown", "## More")]))
     assert lesson_problems(good + [cell("markdown", "a T4 (T4 emulation is on) (sm75)")])[-2:] == [
         "cell 8: internal jargon 'T4 emulation'", "cell 8: internal jargon 'sm75'"]
+
+
+def test_a_dropdown_lists_each_option_once():
+    """09 listed gpt2-124m twice (its MODEL and the fixed list): choices_widget shows each option once."""
+    pytest.importorskip("ipywidgets")
+    from colabkit.widgets import choices_widget
+
+    ui = choices_widget(lambda model: model, {"model": ["gpt2-124m", "gpt2-124m", "gpt2-350m"]}, button="go")
+    drop = ui.children[0].children[0]
+    assert list(drop.options) == ["gpt2-124m", "gpt2-350m"] and drop.value == "gpt2-124m"
