@@ -124,3 +124,17 @@ def test_a_dropdown_lists_each_option_once():
     ui = choices_widget(lambda model: model, {"model": ["gpt2-124m", "gpt2-124m", "gpt2-350m"]}, button="go")
     drop = ui.children[0].children[0]
     assert list(drop.options) == ["gpt2-124m", "gpt2-350m"] and drop.value == "gpt2-124m"
+
+
+def test_memory_comparisons_start_at_zero():
+    """Issue 37: 04's memory-vs-K axis started above 0, so a 2x saving looked like 10x. Every chart that compares
+    memory on a linear axis starts at 0: plot_lines with bytes, the shared-scale timelines, the comparison bars."""
+    from colabkit.lesson import compare_bars
+    from colabkit.plots import plot_lines, plot_timelines
+
+    near = {"measured": ([1, 2, 4], [20 << 20, 18 << 20, 17 << 20])}   # matplotlib would start the axis near 17 MiB
+    assert plot_lines(near, "K (count)", "memory", "t", unit="bytes").axes[0].get_ylim()[0] == 0
+    assert plot_lines(near, "K (count)", "loss (nats)", "t").axes[0].get_ylim()[0] > 0       # not memory: autoscaled
+    s = [{"step": 0, "phase": p, "phase_peak": b} for p, b in (("forward", 30 << 20), ("backward", 31 << 20))]
+    assert plot_timelines({"a": s, "b": s}, title="t").axes[0].get_ylim()[0] == 0
+    assert compare_bars({"baseline": 31 << 20, "fp16": 30 << 20}, "peak").axes[0].get_ylim()[0] == 0
