@@ -138,3 +138,43 @@ def test_memory_comparisons_start_at_zero():
     s = [{"step": 0, "phase": p, "phase_peak": b} for p, b in (("forward", 30 << 20), ("backward", 31 << 20))]
     assert plot_timelines({"a": s, "b": s}, title="t").axes[0].get_ylim()[0] == 0
     assert compare_bars({"baseline": 31 << 20, "fp16": 30 << 20}, "peak").axes[0].get_ylim()[0] == 0
+
+
+def _overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of visible, non-empty text boxes of ``fig`` (titles, labels, ticks, annotations, legends) that overlap."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    found = fig.findobj(Text)   # every Text artist once (a legend's TextArea wraps one of them)
+    texts = [t for t in {id(t): t for t in found}.values() if t.get_visible() and t.get_text().strip()]
+    boxes = [(t.get_text(), Text.get_window_extent(t, r)) for t in texts]   # an annotation's text, not its arrow
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+
+
+def _real_size_rows():
+    """Rows shaped like the planner's for 09 at real size: every T4 candidate plan, with peaks and overheads
+    clustered as the real ones are (plans sharing a precision and optimizer land on nearly the same point)."""
+    from colabkit.estimate.planner import candidate_plans
+
+    rows = []
+    for i, p in enumerate(candidate_plans("t4")):
+        peak = (6 << 30) * (0.5 if "fp16" in p else 1) * (0.6 if "checkpoint" in p else 1) * (0.7 if "8bit" in p else 1)
+        over = (0.33 if "checkpoint" in p else 0) + (0.05 if "bit" in p else 0) - (0.4 if "fp16" in p else 0)
+        rows.append({"plan": p, "peak_bytes": int(peak * (1 + 0.01 * (i % 3))), "overhead": over + 0.002 * (i % 4),
+                     "fits": peak < (14 << 30)})
+    return rows
+
+
+def test_the_plan_chart_is_legible_at_real_size():
+    """09 at real size labels every candidate plan (~28): no text of the chart is drawn over another."""
+    from colabkit.estimate.planner import pareto
+    from colabkit.lesson import plan_chart
+
+    rows = _real_size_rows()
+    assert len(rows) >= 20
+    fig = plan_chart(rows, budget_bytes=14 << 30, title="plans: gpt2-350m, batch 4 x seq 1024 on a T4 (predicted)")
+    assert _overlapping_texts(fig) == []
+    listed = [t.get_text() for t in fig.texts if "\n" in t.get_text()][0]
+    assert all(r["plan"] in listed for r in rows)                                   # every plan is named
+    assert pareto(rows, budget_bytes=14 << 30).figure and _overlapping_texts(pareto(rows).figure)  # the old chart overlaps
