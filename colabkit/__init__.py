@@ -71,7 +71,7 @@ from .techniques.optimizers import AdamW8bit  # noqa: E402
 
 from .selftest import report_markdown as selftest_markdown, selftest, write_report as write_selftest  # noqa: E402
 from .determinism import deterministic, seed_all  # noqa: E402
-from .lesson import answer_score, before_after_table, compare_bars, loss_curve, mean_score, signed, table  # noqa: E402
+from .lesson import answer_score, before_after_table, compare_bars, loss_curve, mean_score, plan_chart, signed, table  # noqa: E402
 
 __version__ = "0.1.0"
 # chunked-ce (issue 27): the LM head + cross-entropy over chunks of token rows

@@ -162,3 +162,77 @@ def table(rows: Sequence[Mapping[str, Any]], formats: Mapping[str, str] | None =
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(c, r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _free_spot(ax, renderer, text, placed: list, anchor_px: tuple[float, float], rings: int = 10) -> bool:
+    """Move ``text`` (an annotation at a data point) to the first offset around its point, in growing rings,
+    where its box overlaps no box in ``placed`` and stays inside the axes; returns whether one was found."""
+    import math
+
+    from matplotlib.text import Text
+
+    inside = ax.get_window_extent(renderer)
+    for ring in range(rings + 1):
+        for k in range(8 if ring else 1):
+            a = 2 * math.pi * k / 8
+            r = 8 + 11 * ring
+            text.set_position((r * math.cos(a), r * math.sin(a)))
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer).expanded(1.08, 1.15)   # the number, not its leader line
+            if (box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y0 >= inside.y0 and box.y1 <= inside.y1
+                    and not any(box.overlaps(b) for b in placed)):
+                placed.append(box)
+                return True
+    return False
+
+
+def plan_chart(rows: Sequence[Mapping[str, Any]], budget_bytes: int | None = None, title: str = ""):
+    """The planner's rows (:func:`colabkit.plans`) as predicted peak against predicted step-time overhead,
+    legible at any number of plans: each point is numbered, the number is placed where it overlaps no other
+    label (in rings around its point, with a leader line when moved), and the numbers are named in a list
+    beside the axes. Green fits, red does not; the budget is a dotted line; y from 0.
+
+    >>> from colabkit.plots import audit
+    >>> rows = [{"plan": "baseline", "peak_bytes": 3 << 30, "overhead": 0.0, "fits": True},
+    ...         {"plan": "checkpoint", "peak_bytes": 2 << 30, "overhead": 0.16, "fits": True}]
+    >>> audit(plan_chart(rows, budget_bytes=14 << 30, title="plans"))
+    []
+    """
+    pts = [r for r in rows if r.get("peak_bytes") and r.get("overhead") is not None]
+    if not pts:
+        raise ValueError("plan_chart needs rows with a predicted peak and overhead (from colabkit.plans)")
+    plt = _plt()
+    from matplotlib.lines import Line2D
+
+    n = len(pts)
+    fig = plt.figure(figsize=(10.5, max(4.2, 0.19 * n + 1.6)))
+    ax = fig.add_axes([0.08, 0.13, 0.52, 0.78])
+    top = max([r["peak_bytes"] for r in pts] + [budget_bytes or 0])
+    unit, size = byte_unit(top)
+    xs = [r["overhead"] * 100 for r in pts]
+    ys = [r["peak_bytes"] / size for r in pts]
+    colors = ["#55a868" if r["fits"] else "#c44e52" for r in pts]
+    ax.scatter(xs, ys, c=colors, s=22, zorder=3)
+    if budget_bytes:
+        ax.axhline(budget_bytes / size, color="0.4", ls=":", lw=1.2)
+    pad = max(1.0, (max(xs) - min(xs)) * 0.12)
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_ylim(0, top / size * 1.15)
+    ax.set_xlabel("predicted step-time overhead vs the plain step (%)")
+    ax.set_ylabel(f"predicted peak ({unit})")
+    ax.set_title(title or "plans: predicted memory vs step time", fontsize=9)
+    renderer = fig.canvas.get_renderer()
+    placed = [ax.title.get_window_extent(renderer)]
+    for i, (x, y) in enumerate(zip(xs, ys), 1):
+        t = ax.annotate(str(i), (x, y), xytext=(0, 0), textcoords="offset points", fontsize=7, zorder=4,
+                        arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6, shrinkA=0, shrinkB=2))
+        if not _free_spot(ax, renderer, t, placed, (x, y)):
+            t.remove()                                    # no room: the number stays in the list only
+    names = "\n".join(f"{i:>2}  {r['plan']}" for i, r in enumerate(pts, 1))
+    fig.text(0.62, 0.91, names, va="top", ha="left", fontsize=7, family="monospace")
+    handles = [Line2D([], [], ls="none", marker="o", color="#55a868", label="fits"),
+               Line2D([], [], ls="none", marker="o", color="#c44e52", label="does not fit")]
+    if budget_bytes:
+        handles.append(Line2D([], [], color="0.4", ls=":", label="budget"))
+    ax.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(1.02, 0.0), frameon=False)
+    return fig

@@ -182,6 +182,8 @@ def plot_lines(series: Mapping[str, Any], xlabel: str, ylabel: str, title: str, 
         ax.set_yscale("log", base=2)
         if unit == "bytes":
             byte_log_ticks(ax, min(y for y in ys_all if y > 0), max(ys_all))
+    elif unit == "bytes":
+        ax.set_ylim(bottom=0)                # memory compared on a linear axis: from 0, so ratios read true
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

@@ -6,6 +6,7 @@ notebook also calls once with the default choice, so CI runs the same code path.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from .env import GPU_PROFILES, t4_rules
@@ -18,6 +19,19 @@ def plan_from_choices(tokens: Sequence[str]) -> str:
     return "+".join(t for t in tokens if t != "baseline") or "baseline"
 
 
+def plain_words(reason: str) -> str:
+    """A plan check's reason in a learner's words: a GPU generation as its compute capability
+    ("sm75" -> "compute capability 7.5"), no mention of colabkit's T4 emulation (the check asks as a T4).
+
+    >>> plain_words("bf16: T4 emulation is on and a T4 (sm75) has no native bf16; use fp16")
+    'bf16: a T4 (compute capability 7.5) has no native bf16; use fp16'
+    >>> plain_words("attention:flash needs sm80+; a T4 (T4 emulation is on) (sm75) has math")
+    'attention:flash needs compute capability 8.0+; a T4 (compute capability 7.5) has math'
+    """
+    reason = reason.replace("T4 emulation is on and a T4", "a T4").replace(" (T4 emulation is on)", "")
+    return re.sub(r"\bsm(\d)(\d)\b", r"compute capability \1.\2", reason)
+
+
 def plan_reason(plan: str, token: str, ctx: Context | None = None, gpu: str | None = None) -> str | None:
     """Why ``token`` cannot join ``plan`` (None when it can): colabkit's own plan check, either in
     ``ctx`` (the device this notebook runs on) or, with ``gpu="t4"``, as it would run on that GPU
@@ -27,7 +41,8 @@ def plan_reason(plan: str, token: str, ctx: Context | None = None, gpu: str | No
     (True, None)
     """
     if gpu is None:
-        return compatible(plan, token, ctx)
+        why = compatible(plan, token, ctx)
+        return None if why is None else plain_words(why)
     if gpu.lower() not in GPU_PROFILES:
         raise ValueError(f"unknown GPU profile {gpu!r}: use one of {', '.join(GPU_PROFILES)}")
     try:
@@ -35,7 +50,7 @@ def plan_reason(plan: str, token: str, ctx: Context | None = None, gpu: str | No
         with t4_rules(not GPU_PROFILES[gpu.lower()]["native_bf16"]):
             check_as_gpu(p)
     except PlanError as e:
-        return str(e)
+        return plain_words(str(e))
     return None
 
 
@@ -253,14 +268,14 @@ def _run_into(out, fn: Callable[[], Any]) -> Any:
 def choices_widget(fn: Callable[..., Any], choices: dict[str, Sequence[Any]], button: str | None = None,
                    defaults: dict[str, Any] | None = None, title: str = ""):
     """A dropdown per argument of ``fn`` (``choices``: name -> options; ``defaults`` or the first option
-    preselected) above an ``Output``: ``fn(**chosen)`` runs there when a choice changes, or only when the
+    preselected; an option listed twice is shown once) above an ``Output``: ``fn(**chosen)`` runs there when a choice changes, or only when the
     ``button`` is pressed if one is named (for choices that take seconds to run). Returns the widget box.
     The notebook calls ``fn`` with the defaults itself: that is what CI runs."""
     import ipywidgets as W
     from IPython.display import display
 
     defaults = defaults or {}
-    drops = {k: W.Dropdown(options=list(v), value=defaults.get(k, list(v)[0]), description=k,
+    drops = {k: W.Dropdown(options=list(dict.fromkeys(v)), value=defaults.get(k, list(v)[0]), description=k,
                            style={"description_width": "initial"}) for k, v in choices.items()}
     out = W.Output()
 

@@ -7,7 +7,7 @@ whose outputs break a rule fails with the reason. Rules (issue 23):
 - no third-party noise: a "Failed to load" line (torchao's CUDA-only kernels on a CPU build);
 - no noise of our own (issue 37): an output line that is a raw dict's repr (show a table instead), a
   figure written as "-0.0" / "-0%" (a change that rounds to zero has no sign), a message printed twice
-  in one cell (say it once).
+  in one cell (say it once), internal jargon ("T4 emulation", "sm75", "kMinBlockSize").
 
 The static checks (markdown, cell length, public imports) live in ``tests/test_notebook_truth.py``, which
 also tests these functions (negative controls) and this hook's wiring on a tiny notebook.
@@ -24,7 +24,8 @@ import pytest
 # Notebooks whose rewrite lives on another branch: their failures are reported as xfail (not strict) until
 # that branch merges; the lead empties this after merging. Keys: the two-digit notebook number.
 NOISE = ("Failed to load",)
-RAW_DICT = re.compile(r"^\s*\{\s*['\"][^'\"]+['\"]\s*:\s.*\}\s*$")      # {'loss': 2.1, ...} on one line
+RAW_DICT = re.compile(r"\{\s*['\"][^'\"]+['\"]\s*:\s[^{}]*\}")      # {'loss': 2.1, ...} anywhere in a line
+JARGON = ("T4 emulation", "sm75", "sm80", "kMinBlockSize")   # internals a learner is not told about
 NEGATIVE_ZERO = re.compile(r"(?<![\w.])-0(?:\.0+)?(?![\d.])(?:\s?[%x×]|\b)")  # -0.00, -0%, -0.0x, -0
 
 
@@ -40,12 +41,13 @@ def noise_lines(text: str) -> list[str]:
     found, seen = [], set()
     for line in text.splitlines():
         s = line.strip()
-        if RAW_DICT.match(s):
+        if RAW_DICT.search(s):
             found.append(f"raw dict printed: {s[:120]!r}")
         if NEGATIVE_ZERO.search(s):
             found.append(f"'-0.0' figure: {s[:120]!r}")
-        # a message: words, not a table row, a rule or a number column
-        if len(re.findall(r"[A-Za-z]{2,}", s)) >= 3 and not s.startswith(("|", "+", "-", "=")):
+        found += [f"internal jargon {w!r}: {s[:120]!r}" for w in JARGON if w in s]
+        # a message: starts with a word and has a few (a table row, a rule or a number column does not)
+        if s[:1].isalpha() and len(re.findall(r"[A-Za-z]{2,}", s)) >= 3:
             if s in seen:
                 found.append(f"printed twice: {s[:120]!r}")
             seen.add(s)

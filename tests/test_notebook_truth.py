@@ -348,11 +348,14 @@ def test_output_problems_flag_our_own_noise():
         "cell 3 prints noise: raw dict printed: \"" + trainer_logs.strip() + "\""]
     assert hooks.output_problems([{"output_type": "execute_result", "data": {"text/plain": "{'fp16': 0.25, 'fp32': 1.0}"}}],
                                  {}, 7)[0].startswith("cell 7 prints noise: raw dict")
+    assert "raw dict printed" in hooks.output_problems([stream("max difference: {'fp16': '4.2e-06'}")], {}, 9)[0]
+    assert "internal jargon 'T4 emulation'" in hooks.output_problems([stream("bf16: T4 emulation is on")], {}, 9)[0]
     for figure in ("saving -0.00% of the peak", "zero:1 vs baseline: -0% less", "ratio -0.0x"):
         assert "'-0.0' figure" in hooks.output_problems([stream(figure)], {}, 1)[0], figure
     twice = "No GPU attached: running on the CPU.\nshrinking the micro-batch to 4\nNo GPU attached: running on the CPU.\n"
     assert hooks.output_problems([stream(twice)], {}, 2) == [
         "cell 2 prints noise: printed twice: 'No GPU attached: running on the CPU.'"]
-    clean = ("| step | loss |\n|---|---|\n|---|---|\n| 1 | -0.52 |\nsaving +0.00% of the peak; lr 1e-05\n"
-             "No GPU attached: running on the CPU.\n")
+    clean = ("| step | loss |\n|---|---|\n|---|---|\n| 1 | -0.52 |\n512.0 KiB activations  forward  addmm\n"
+             "512.0 KiB activations  forward  addmm\nsaving +0.00% of the peak; lr 1e-05; {x}\n"
+             "No GPU attached: running on the CPU; a T4 (compute capability 7.5).\n")
     assert hooks.output_problems([stream(clean)], {}, 4) == []

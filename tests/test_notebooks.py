@@ -114,3 +114,67 @@ def test_lesson_problems_negative_controls():
     assert any("closing section" in p for p in lesson_problems(good + [cell("markdown", "## More")]))
     assert lesson_problems(good + [cell("markdown", "a T4 (T4 emulation is on) (sm75)")])[-2:] == [
         "cell 8: internal jargon 'T4 emulation'", "cell 8: internal jargon 'sm75'"]
+
+
+def test_a_dropdown_lists_each_option_once():
+    """09 listed gpt2-124m twice (its MODEL and the fixed list): choices_widget shows each option once."""
+    pytest.importorskip("ipywidgets")
+    from colabkit.widgets import choices_widget
+
+    ui = choices_widget(lambda model: model, {"model": ["gpt2-124m", "gpt2-124m", "gpt2-350m"]}, button="go")
+    drop = ui.children[0].children[0]
+    assert list(drop.options) == ["gpt2-124m", "gpt2-350m"] and drop.value == "gpt2-124m"
+
+
+def test_memory_comparisons_start_at_zero():
+    """Issue 37: 04's memory-vs-K axis started above 0, so a 2x saving looked like 10x. Every chart that compares
+    memory on a linear axis starts at 0: plot_lines with bytes, the shared-scale timelines, the comparison bars."""
+    from colabkit.lesson import compare_bars
+    from colabkit.plots import plot_lines, plot_timelines
+
+    near = {"measured": ([1, 2, 4], [20 << 20, 18 << 20, 17 << 20])}   # matplotlib would start the axis near 17 MiB
+    assert plot_lines(near, "K (count)", "memory", "t", unit="bytes").axes[0].get_ylim()[0] == 0
+    assert plot_lines(near, "K (count)", "loss (nats)", "t").axes[0].get_ylim()[0] > 0       # not memory: autoscaled
+    s = [{"step": 0, "phase": p, "phase_peak": b} for p, b in (("forward", 30 << 20), ("backward", 31 << 20))]
+    assert plot_timelines({"a": s, "b": s}, title="t").axes[0].get_ylim()[0] == 0
+    assert compare_bars({"baseline": 31 << 20, "fp16": 30 << 20}, "peak").axes[0].get_ylim()[0] == 0
+
+
+def _overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of visible, non-empty text boxes of ``fig`` (titles, labels, ticks, annotations, legends) that overlap."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    found = fig.findobj(Text)   # every Text artist once (a legend's TextArea wraps one of them)
+    texts = [t for t in {id(t): t for t in found}.values() if t.get_visible() and t.get_text().strip()]
+    boxes = [(t.get_text(), Text.get_window_extent(t, r)) for t in texts]   # an annotation's text, not its arrow
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+
+
+def _real_size_rows():
+    """Rows shaped like the planner's for 09 at real size: every T4 candidate plan, with peaks and overheads
+    clustered as the real ones are (plans sharing a precision and optimizer land on nearly the same point)."""
+    from colabkit.estimate.planner import candidate_plans
+
+    rows = []
+    for i, p in enumerate(candidate_plans("t4")):
+        peak = (6 << 30) * (0.5 if "fp16" in p else 1) * (0.6 if "checkpoint" in p else 1) * (0.7 if "8bit" in p else 1)
+        over = (0.33 if "checkpoint" in p else 0) + (0.05 if "bit" in p else 0) - (0.4 if "fp16" in p else 0)
+        rows.append({"plan": p, "peak_bytes": int(peak * (1 + 0.01 * (i % 3))), "overhead": over + 0.002 * (i % 4),
+                     "fits": peak < (14 << 30)})
+    return rows
+
+
+def test_the_plan_chart_is_legible_at_real_size():
+    """09 at real size labels every candidate plan (~28): no text of the chart is drawn over another."""
+    from colabkit.estimate.planner import pareto
+    from colabkit.lesson import plan_chart
+
+    rows = _real_size_rows()
+    assert len(rows) >= 20
+    fig = plan_chart(rows, budget_bytes=14 << 30, title="plans: gpt2-350m, batch 4 x seq 1024 on a T4 (predicted)")
+    assert _overlapping_texts(fig) == []
+    listed = [t.get_text() for t in fig.texts if "\n" in t.get_text()][0]
+    assert all(r["plan"] in listed for r in rows)                                   # every plan is named
+    assert pareto(rows, budget_bytes=14 << 30).figure and _overlapping_texts(pareto(rows).figure)  # the old chart overlaps
