@@ -147,3 +147,19 @@ def offline_stand_in(model_id: str, cache_dir: str | None = None, config: Any = 
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(revision)
     return folder
+
+
+def is_stand_in(model_id: str, cache_dir: str | None = None) -> bool:
+    """Whether ``from_pretrained(model_id)`` would load an :func:`offline_stand_in` (random weights) from the
+    cache rather than the hub's weights: a notebook asserts a pretrained model's claims only when this is False.
+
+    >>> is_stand_in("someone/not-cached-anywhere")
+    False
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(model_id, "COLABKIT_STAND_IN.txt", cache_dir=cache_dir)
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(path, str)

@@ -231,7 +231,7 @@ def test_offline_stand_in_loads_through_from_pretrained(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on the lent machine (read once, at import: set both)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    from colabkit.hf_models import llama_config, offline_stand_in
+    from colabkit.hf_models import is_stand_in, llama_config, offline_stand_in
 
     cfg = llama_config("llama:1x64:v300")
     folder = offline_stand_in("someorg/tiny", cache_dir=str(tmp_path), config=cfg, seed=1)
@@ -243,6 +243,7 @@ def test_offline_stand_in_loads_through_from_pretrained(tmp_path, monkeypatch):
     assert tok.encode(text) == list(text.encode()) and tok.decode(tok.encode(text)) == text  # id b is byte b
     assert tok.eos_token_id == 256 < m.config.vocab_size
     assert "random weights" in open(os.path.join(folder, "COLABKIT_STAND_IN.txt")).read()
+    assert is_stand_in("someorg/tiny", cache_dir=str(tmp_path)) and not is_stand_in("someorg/none", cache_dir=str(tmp_path))
     # negative controls: another seed gives other weights; an id with no stand-in is not found
     offline_stand_in("someorg/tiny2", cache_dir=str(tmp_path), config=cfg, seed=2)
     m2 = transformers.AutoModelForCausalLM.from_pretrained("someorg/tiny2", dtype=torch.float32, **kw)
