@@ -79,6 +79,7 @@ def test_step_time_profile_on_a_cpu_is_the_cpus():
 
 
 def test_default_plans_hold_every_token_the_issue_names():
+    assert set(device_run.FIRST) <= set(bench.PLANS)  # the device run's order: these first, then the rest
     tokens = {t for p in bench.PLANS for t in p.split("+")}
     for t in ("paged-adamw8bit", "adamw4bit", "fused-step", "offload:optimizer", "offload:activations",
               "offload:params", "offload:disk", "compress:int8", "attention:efficient", "chunked-ce", "lora:8",
