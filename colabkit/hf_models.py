@@ -1,7 +1,9 @@
 """Hugging Face models without the hub: ``llama:LxD`` builds a Llama-shaped ``LlamaForCausalLM`` from
 a transformers config with random weights and a byte vocabulary (256), so CI and offline users run the
-same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model; and
-:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``).
+same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model;
+:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``); and
+:func:`offline_stand_in` puts a hub model's shipped config with random weights into the Hugging Face cache,
+so ``from_pretrained`` works on a machine without the hub (:func:`is_stand_in` tells that it did).
 
 It sits with the models (imports go down only); :mod:`colabkit.hf`, the user-facing integration with
 transformers' Trainer, re-exports it.
