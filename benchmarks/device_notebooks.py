@@ -22,6 +22,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -103,13 +104,15 @@ def problems(nb) -> list[str]:
 
 
 def execute(path: str, nb, timeout: float, workdir: str) -> dict:
-    """Execute ``nb`` in a fresh kernel (cwd ``workdir``); returns status, wall time, the error and the takeaway."""
+    """Execute ``nb`` in a fresh kernel (cwd ``workdir``) within ``timeout`` seconds in all (each cell gets what
+    is left); returns status, wall time, the error and the takeaway."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     t0 = time.perf_counter()
-    client = NotebookClient(nb, timeout=max(int(timeout), 1), kernel_name="python3",
-                            resources={"metadata": {"path": workdir}})
+    deadline = time.monotonic() + timeout
+    client = NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": workdir}},
+                            timeout_func=lambda cell: max(1, int(deadline - time.monotonic())))
     rec = {"notebook": os.path.basename(path), "status": "ok", "error": None}
     try:
         client.execute()
@@ -190,6 +193,25 @@ def main(argv: list[str] | None = None) -> int:
                                                    if torch.cuda.is_available() else "cpu")
     results, executed = [], os.path.join(work, "executed")
     os.makedirs(executed)
+
+    def finish() -> dict:  # after each notebook: a kill later still leaves the ones done
+        archive = os.path.join(args.out, f"notebooks-{label}.tar.gz")
+        with tarfile.open(archive, "w:gz") as tar:
+            for name in sorted(os.listdir(executed)):
+                tar.add(os.path.join(executed, name), arcname=name)
+        data = {"device": device, "dry_run": args.dry_run, "part": label,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "smoke": os.environ.get("COLABKIT_SMOKE"), "stand_ins": stand_ins, "results": results,
+                "archive": os.path.basename(archive), "archive_bytes": os.path.getsize(archive),
+                "archive_fits": os.path.getsize(archive) <= MAX_ARCHIVE, "limit_s": args.wall_s,
+                "wall_s": round(time.perf_counter() - t0, 1)}
+        stem = os.path.join(args.out, f"notebooks-{label}")
+        with open(stem + ".json", "w") as f:
+            json.dump(data, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(data))
+        return data
+
     for path in paths:
         left = args.wall_s - 20 - (time.perf_counter() - t0)  # 20 s kept for the archive and the reports
         name = os.path.basename(path)
@@ -203,23 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         nbformat.write(nb, os.path.join(executed, name))
         results.append(rec)
         print(f"{name}: {rec['status']} in {rec['wall_s']} s {rec['error'] or ''}", file=sys.stderr, flush=True)
-    archive = os.path.join(args.out, f"notebooks-{label}.tar.gz")
-    with tarfile.open(archive, "w:gz") as tar:
-        for name in sorted(os.listdir(executed)):
-            tar.add(os.path.join(executed, name), arcname=name)
-    data = {"device": device, "dry_run": args.dry_run, "part": label,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "smoke": os.environ.get("COLABKIT_SMOKE"), "stand_ins": stand_ins, "results": results,
-            "archive": os.path.basename(archive), "archive_bytes": os.path.getsize(archive),
-            "archive_fits": os.path.getsize(archive) <= MAX_ARCHIVE, "limit_s": args.wall_s,
-            "wall_s": round(time.perf_counter() - t0, 1)}
-    stem = os.path.join(args.out, f"notebooks-{label}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(data))
-    print(f"device_notebooks: wrote {stem}.json/.md and {archive} ({data['archive_bytes'] / 2**20:.1f} MiB) in "
-          f"{data['wall_s']} s", file=sys.stderr)
+        finish()
+    data = finish()
+    shutil.rmtree(work, ignore_errors=True)  # the executed copies are in the archive; the stand-ins go
+    print(f"device_notebooks: wrote {data['archive']} ({data['archive_bytes'] / 2**20:.1f} MiB) and its report in "
+          f"{args.out} in {data['wall_s']} s", file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in results) and data["archive_fits"] else 1
 
 
