@@ -7,8 +7,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
-import tomllib
 
 import nbformat
 import pytest
@@ -20,7 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _script(name: str):
     """benchmarks/<name>.py as a module."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # device_run imports run's markdown by name
     spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -176,6 +173,7 @@ def test_device_notebooks_dry_run_executes_and_archives(tmp_path):
 def test_wheel_list_covers_what_colabkit_needs_and_each_wheels_requirements():
     """Every runtime requirement of colabkit (pyproject's dependencies and the hf extra) and each carried wheel's
     own requirements (their metadata, installed here) is carried or in the lent machine's image."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     carried = {wheels.norm(n) for n in wheels.WHEELS} | wheels.DEVICE_IMAGE
     project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
     needs = wheels.requirements(project["dependencies"] + project["optional-dependencies"]["hf"]
