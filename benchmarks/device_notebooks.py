@@ -30,7 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(ROOT, "notebooks")
-WALL_S = 240
+WALL_S = 220  # this script; the wheels' install (~15 s) before it: within 4 minutes a part
 MAX_ARCHIVE = 16 * 2**20  # a file that comes back from a run call
 # two halves of about equal weight (the two that load a 0.5B model apart); --part all runs both
 PARTS = {"1": ["00", "01", "02", "03", "04", "05", "06", "07", "10"],
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     paths = args.notebook or notebooks(args.part, args.only)
     label = "only" if (args.only or args.notebook) else args.part
+    if not paths:
+        p.error(f"no notebook matches --only {' '.join(args.only or [])}: use two-digit numbers of notebooks/NN_*.ipynb")
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="colabkit-notebooks-")
     stand_ins = {}

@@ -113,6 +113,13 @@ def test_the_two_parts_hold_every_notebook_once():
     assert set(device_notebooks.HUB_MODELS) <= set(numbers)
 
 
+def test_unknown_notebook_numbers_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        device_notebooks.main(["--out", str(tmp_path), "--only", "99"])
+    assert "no notebook matches --only 99" in capsys.readouterr().err and not os.listdir(tmp_path)
+    assert [os.path.basename(p)[:2] for p in device_notebooks.notebooks(only=["99", "00"])] == ["00"]
+
+
 def test_inserted_cell_emulates_a_t4_on_the_gpu_only_and_leaves_the_file(tmp_path):
     path = os.path.join(ROOT, "notebooks", "00_quickstart.ipynb")
     before = open(path, "rb").read()
