@@ -237,15 +237,20 @@ def test_offline_stand_in_loads_through_from_pretrained(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on the lent machine (read once, at import: set both)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    from colabkit.hf_models import is_stand_in, llama_config, offline_stand_in
+    from colabkit.hf_models import is_stand_in, offline_stand_in
+    from colabkit.models import hub_config
 
-    cfg = llama_config("llama:1x64:v300")
+    # notebook 14's model, shipped config narrowed to one small layer (its tokenizer class comes with the type)
+    shipped = hub_config("Qwen/Qwen2.5-0.5B").to_dict()
+    shipped.pop("layer_types", None)
+    cfg = type(hub_config("Qwen/Qwen2.5-0.5B"))(**{**shipped, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 300,
+                                                  "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1})
     folder = offline_stand_in("someorg/tiny", cache_dir=str(tmp_path), config=cfg, seed=1)
     kw = {"cache_dir": str(tmp_path), "local_files_only": True}  # what HF_HUB_OFFLINE=1 makes of every load
     m = transformers.AutoModelForCausalLM.from_pretrained("someorg/tiny", dtype=torch.float32, **kw)
-    assert type(m).__name__ == "LlamaForCausalLM" and m.config.hidden_size == 64 and m.config.vocab_size == 300
+    assert type(m).__name__ == "Qwen2ForCausalLM" and m.config.hidden_size == 64 and m.config.vocab_size == 300
     tok = transformers.AutoTokenizer.from_pretrained("someorg/tiny", **kw)
-    text = "Q: héllo\nA: \x03"
+    text = "Q: héllo\nA:  日本 \x03"
     assert tok.encode(text) == list(text.encode()) and tok.decode(tok.encode(text)) == text  # id b is byte b
     assert tok.eos_token_id == 256 < m.config.vocab_size
     assert "random weights" in open(os.path.join(folder, "COLABKIT_STAND_IN.txt")).read()
