@@ -4,7 +4,7 @@
 # a local target once per machine (pip --no-index, nothing fetched), then this checkout first on the path.
 PYTHON=${PYTHON:-python3}
 SITE=${COLABKIT_SITE:-/tmp/colabkit-site}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case " $* " in
 *" --dry-run "*)
     export COLABKIT_SMOKE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD"

@@ -27,6 +27,9 @@ WHEEL_DIR = ".whl"          # in the repository root; /.whl/ is in .gitignore
 LIMIT_BYTES = 64 * 2**20    # what a run call sends: the working tree and its carried paths
 BITSANDBYTES = "0.50.2"     # built for CUDA 13 (the lent machine's torch is 2.11+cu130)
 DEVICE_PYTHON = "3.12"
+# what `fetch` downloaded on 2026-11-27 (39 wheels; bitsandbytes 41.1 MiB of it): the size check's figure for the
+# wheels when they are not here
+MEASURED_WHEEL_BYTES = 58_778_826
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64",
              "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]

@@ -82,3 +82,4 @@ from .distributed import torchrun_world  # noqa: E402
 from .estimate import plan_of_arguments  # noqa: E402  (a transformers TrainingArguments read back as a plan)
 from .estimate.auto import choose as choose_plan  # noqa: E402  (plan="auto": the fastest plan predicted to fit)
 from .estimate.speed import predict_step_time  # noqa: E402
+from .hf_models import is_stand_in, offline_stand_in  # noqa: E402  (hub models on a machine without the hub: issue 35)

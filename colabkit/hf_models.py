@@ -1,7 +1,9 @@
 """Hugging Face models without the hub: ``llama:LxD`` builds a Llama-shaped ``LlamaForCausalLM`` from
 a transformers config with random weights and a byte vocabulary (256), so CI and offline users run the
-same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model; and
-:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``).
+same transformers/peft/bitsandbytes code path as a pretrained ``hf:<id>`` model;
+:func:`load_hf_4bit` loads a hub model straight into 4-bit NF4 on a GPU (``BitsAndBytesConfig``); and
+:func:`offline_stand_in` puts a hub model's shipped config with random weights into the Hugging Face cache,
+so ``from_pretrained`` works on a machine without the hub (:func:`is_stand_in` tells that it did).
 
 It sits with the models (imports go down only); :mod:`colabkit.hf`, the user-facing integration with
 transformers' Trainer, re-exports it.
@@ -147,3 +149,19 @@ def offline_stand_in(model_id: str, cache_dir: str | None = None, config: Any = 
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(revision)
     return folder
+
+
+def is_stand_in(model_id: str, cache_dir: str | None = None) -> bool:
+    """Whether ``from_pretrained(model_id)`` would load an :func:`offline_stand_in` (random weights) from the
+    cache rather than the hub's weights: a notebook asserts a pretrained model's claims only when this is False.
+
+    >>> is_stand_in("someone/not-cached-anywhere")
+    False
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(model_id, "COLABKIT_STAND_IN.txt", cache_dir=cache_dir)
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(path, str)
