@@ -88,7 +88,7 @@ def test_walk_finds_a_cycle_hidden_in_a_function(tmp_path):
 # (device, callbacks, alerts, progress, lesson) are listed already: an entry that matches nothing is fine.
 FLOORS: list[tuple[str, list[str]]] = [
     ("ground", ["colabkit.env", "colabkit.data", "colabkit.models", "colabkit.plan", "colabkit.timing",
-                "colabkit.device",  # the CUDA seam and its twin
+                "colabkit.device", "colabkit.device.*",  # the CUDA seam and its twin
                 "colabkit.batches", "colabkit.hf_models", "colabkit.instruct",  # batches -> losses, model families, data
                 "colabkit.determinism", "colabkit.collectives", "colabkit.drive",  # seeds, gloo/NCCL rules, Drive paths
                 "colabkit.structured.matrix", "colabkit.structured.hodlr", "colabkit.structured.parallel",
@@ -98,7 +98,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("trainer", ["colabkit.trainer"]),
     ("train loop and its event receivers", ["colabkit.train", "colabkit.checkpoints", "colabkit.oom", "colabkit.logs",
                                             "colabkit.callbacks", "colabkit.alerts", "colabkit.progress",
-                                            "colabkit.distributed", "colabkit.resilience"]),
+                                            "colabkit.distributed", "colabkit.resilience", "colabkit.feed"]),
     ("estimate", ["colabkit.estimate", "colabkit.estimate.*"]),
     ("what the notebooks show", ["colabkit.quickstart", "colabkit.compare", "colabkit.widgets", "colabkit.plots",
                                  "colabkit.chartstyle", "colabkit.liveplot", "colabkit.demos", "colabkit.hf",

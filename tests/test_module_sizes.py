@@ -5,11 +5,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "colabkit"
 LIMIT = 600
-# Being split on other branches: exempt by name until the seam/est branches land (then this list is empty).
-KNOWN_EXCEPTIONS = {
-    "colabkit/techniques/offload.py",   # split by topic on the seam branch
-    "colabkit/estimate/trace.py",       # split on the est branch
-}
 
 
 def too_long(root: Path, limit: int = LIMIT, exempt: frozenset[str] | set[str] = frozenset()) -> dict[str, int]:
@@ -26,12 +21,7 @@ def too_long(root: Path, limit: int = LIMIT, exempt: frozenset[str] | set[str] =
 
 def test_no_colabkit_module_is_longer_than_600_lines():
     assert len(list(ROOT.rglob("*.py"))) > 20  # the walk saw the package
-    assert too_long(ROOT, exempt=KNOWN_EXCEPTIONS) == {}, "split these modules by topic (CONTRIBUTING, Layout)"
-
-
-def test_the_exemptions_name_files_that_exist_and_are_still_too_long():
-    # an exemption outliving its split would hide the next regrowth: remove it from the list once split
-    assert set(too_long(ROOT)) & KNOWN_EXCEPTIONS == KNOWN_EXCEPTIONS
+    assert too_long(ROOT) == {}, "split these modules by topic (CONTRIBUTING, Layout)"
 
 
 def test_the_check_names_a_module_one_line_too_long(tmp_path):
