@@ -76,9 +76,6 @@ CONFLICTS = {
     **{(o, "offload:disk"): r"'offload:disk' keeps AdamW's two moments on disk"
        for o in ("adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "adam-mini", "galore:4", "sgd")},
 }
-# refused today with a false reason ("needs the model's parameter names"); the seam helper's offload.py
-# fix makes them train: the lead flips them (deletes them here) after merging that branch
-PENDING_SEAM = {("adam-mini", "offload:optimizer"), ("galore:4", "offload:optimizer")}
 
 
 def expected_refusal(a: str, b: str) -> str | None:
@@ -117,8 +114,6 @@ def run(plan: str) -> tuple[str, object]:
 
 def check_pair(a: str, b: str) -> None:
     why = expected_refusal(a, b)
-    if (a, b) in PENDING_SEAM and run(f"{a}+{b}")[0] == "late":
-        pytest.xfail(f"{a}+{b}: false reason until the seam branch is merged: {run(f'{a}+{b}')[1]}")
     kind, got = run(f"{a}+{b}")
     if why is not None:
         assert kind == "refused", f"{a}+{b}: expected a refusal matching {why!r}, got {kind}: {got}"
@@ -168,7 +163,7 @@ def test_pair_rest_of_matrix(a, b):
 def test_tables_are_pairs_of_the_matrix_and_detect_wrong_outcomes(monkeypatch):
     """Negative controls: the tables name real pairs; a pair that should refuse but trains, one refused
     with a reason outside its row, and a neutral token that changes the numbers each fail."""
-    for pair in list(CONFLICTS) + list(PENDING_SEAM):
+    for pair in CONFLICTS:
         assert pair in PAIRS, pair  # in the matrix's order: expected_refusal looks them up so
     for first, second in SIXTEEN_BIT | LOSSY:
         assert (first, second) in PAIRS or (second, first) in PAIRS
