@@ -197,6 +197,7 @@ class MemoryTracker(Ledger):
         self._infos: dict[int, _Info] = {}  # uid -> info (live, and dead ones not yet folded)
         self._uid = 0
         self._events: list[tuple[int, int]] = []  # (uid, +/- bytes) since the last fold
+        self._awaiting: list[dict] = []  # samples whose phase's category peaks the next fold gives them
         self._phase = "setup"
         self._step = 0
         self._total = 0
@@ -243,6 +244,7 @@ class MemoryTracker(Ledger):
         self._classify()
         self._fold()
         self._sample("end")
+        self._settle_category_peaks()
         if self.record_history:
             # history stays on until snapshot() is called or the next tracker starts
             pass
@@ -432,7 +434,6 @@ class MemoryTracker(Ledger):
             "allocated": now,
             "phase_peak": pmax,
             "categories": cats if self.categories else None,
-            "category_peaks": self._phase_category_peaks() if self.categories else None,  # within the phase
             "reserved": None,
             "host_rss": host_ram()["rss"],
         }
@@ -440,6 +441,8 @@ class MemoryTracker(Ledger):
             s["allocated_cuda"] = self._cuda.allocated()
             s["reserved"] = self._cuda.reserved()
             s["phase_peak_cuda"] = cuda_peak if cuda_peak is not None else self._cuda_fold()
+        if self.categories:  # each category's peak within the phase, once replayed; it started from the last sample
+            self._await_category_peaks(s, self.timeline[-1]["categories"] if self.timeline else None)
         self._phase_max = now
         self.timeline.append(s)
         if self.alert_at is not None and not self.alerts and max(pmax, s.get("allocated_cuda") or 0) > self.alert_at * self.budget_bytes:

@@ -83,7 +83,10 @@ class Ledger:
             self._window_start = dict(cats)
             self._cat_now = cats
             self._cat_peak = dict(cats)
-            self._since_sample = dict(cats)  # each category's peak since the last sample: the phase it closes
+            # each (step, phase)'s own category peaks, replayed with final categories at the folds; the
+            # samples of that phase receive them then (a fold only at step boundaries: a phase's tensors are
+            # categorised by what they turn out to be, e.g. a fresh gradient copied into DDP's bucket)
+            self._step_phase_own: dict[tuple[int, str], dict[str, int]] = {}
             self._peak = sum(cats.values())
             self._at_peak = dict(cats)
             self._phase_at_peak = self._phase
@@ -116,9 +119,10 @@ class Ledger:
                     c = info.category
                     if cats[c] > self._cat_peak[c]:
                         self._cat_peak[c] = cats[c]
-                    if cats[c] > self._since_sample[c]:
-                        self._since_sample[c] = cats[c]
                     phase, step = (ev[2], ev[3]) if len(ev) > 2 else (info.phase, info.step)
+                    spo = self._step_phase_own.setdefault((step, phase), dict(cats))
+                    if cats[c] > spo[c]:
+                        spo[c] = cats[c]
                     if total > self._peak:
                         self._peak, self._at_peak = total, dict(cats)
                         self._phase_at_peak, self._step_at_peak = phase, step
@@ -135,14 +139,39 @@ class Ledger:
                     dead.append(key)
             for key in dead:
                 self._infos.pop(key, None)
+            self._give_category_peaks()
 
-    def _phase_category_peaks(self) -> dict[str, int]:
-        """Each category's peak since the last call -- over the phase a sample closes, what it carried in
-        included -- replayed with the categories known now; the next phase starts from what is live."""
+    def _await_category_peaks(self, sample: dict[str, Any], carried_in: dict[str, int] | None) -> None:
+        """``sample["category_peaks"]`` (each category's peak within the phase the sample closes, ``other``
+        included) is filled in at the fold that replays that phase's events with their final categories;
+        until then it is None (a live plot shows the sample's end-of-phase ``categories``). ``carried_in``:
+        the categories the phase started with (the previous sample's), its peak where it allocated nothing."""
+        sample["category_peaks"] = None
+        with self._lock:
+            self._awaiting.append((sample, carried_in or sample.get("categories") or {}))
+
+    def _give_category_peaks(self, final: bool = False) -> None:
+        # under self._lock, at the end of a fold: the samples of earlier steps (all of them when ``final``)
+        # are settled; the current step's may still allocate in their phase (accumulation re-enters it)
+        keep = []
+        for s, carried in self._awaiting:
+            own = self._step_phase_own.get((s["step"], s["phase"]))
+            if own is not None:
+                s["category_peaks"] = {c: max(v, carried.get(c, 0)) for c, v in own.items()}
+            if s["step"] >= self._step and not final:
+                keep.append((s, carried))
+            elif own is None:  # nothing allocated in that phase: its peak is what it carried in
+                s["category_peaks"] = dict(carried)
+        self._awaiting = keep
+        oldest = min((s["step"] for s, _ in keep), default=self._step)
+        for k in [k for k in self._step_phase_own if k[0] < oldest]:
+            del self._step_phase_own[k]
+
+    def _settle_category_peaks(self) -> None:
+        """At the end of tracking: every sample's phase is over."""
         self._fold()
         with self._lock:
-            out, self._since_sample = self._since_sample, dict(self._cat_now)
-        return out
+            self._give_category_peaks(final=True)
 
     def current(self) -> dict[str, int]:
         """Bytes live now, by category."""
