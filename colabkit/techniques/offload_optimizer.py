@@ -24,7 +24,8 @@ class HostOptimizer(WrappedOptimizer):
     compute side; ``step()`` waits for the copies, updates on the CPU, and copies the new weights
     back. Schedulers attach to ``.optimizer`` (it owns ``param_groups``); a gradient that arrives
     twice before a step (``accum:K``) is added on the host. ``state_dict()`` carries the master
-    weights, so a resumed run continues from them, not from stale copies.
+    weights, so a resumed run continues from them, not from stale copies. With fp16 a loss scaler must
+    unscale the host gradients on the host (:func:`~colabkit.device.host_unscaling`; the Trainer's does).
 
     >>> m = torch.nn.Linear(4, 2)
     >>> opt = HostOptimizer([{"params": list(m.parameters())}], lambda g: torch.optim.SGD(g, lr=0.1))
