@@ -1,4 +1,4 @@
-"""Optimizer state to host RAM: during training (``offload:optimizer``, ``HostOptimizer``) and around a phase without backward (:func:`offloaded`)."""
+"""Moves optimizer state to host RAM: while training (``offload:optimizer``) and around evaluation (:func:`offloaded`)."""
 from __future__ import annotations
 
 import contextlib
