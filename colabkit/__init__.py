@@ -43,7 +43,7 @@ from .techniques.accumulation import micro_batch_sizes, window_loss
 from .techniques.compress import int8_saved_tensors
 from .techniques.optimizers import AdamW4bit, make_optimizer, optimizer_state_bytes, state_bytes_per_param
 from .techniques.fused_step import FusedStepOptimizer
-from .device import CudaTwin, DevicePair, host_ram_guard, pinned_bytes
+from .device import CudaTwin, DevicePair, host_ram_guard, host_unscaling, pinned_bytes
 from .techniques.offload_guard import guard_plan, host_footprint
 from .techniques.offload_optimizer import HostOptimizer, offloaded
 from .techniques.offload_params import stream_blocks

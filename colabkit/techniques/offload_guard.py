@@ -1,4 +1,4 @@
-"""The host RAM an offload plan takes (weights, gradients, optimizer state, pinned blocks rounded up), checked before anything moves."""
+"""Host RAM an offload plan takes (weights, gradients, optimizer state, pinned rounding), checked before anything moves."""
 from __future__ import annotations
 
 from typing import Iterable

@@ -1,4 +1,4 @@
-"""Optimizer state to host RAM: during training (``offload:optimizer``, ``HostOptimizer``) and around a phase without backward (:func:`offloaded`)."""
+"""Moves optimizer state to host RAM: while training (``offload:optimizer``) and around evaluation (:func:`offloaded`)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +24,8 @@ class HostOptimizer(WrappedOptimizer):
     compute side; ``step()`` waits for the copies, updates on the CPU, and copies the new weights
     back. Schedulers attach to ``.optimizer`` (it owns ``param_groups``); a gradient that arrives
     twice before a step (``accum:K``) is added on the host. ``state_dict()`` carries the master
-    weights, so a resumed run continues from them, not from stale copies.
+    weights, so a resumed run continues from them, not from stale copies. With fp16 a loss scaler must
+    unscale the host gradients on the host (:func:`~colabkit.device.host_unscaling`; the Trainer's does).
 
     >>> m = torch.nn.Linear(4, 2)
     >>> opt = HostOptimizer([{"params": list(m.parameters())}], lambda g: torch.optim.SGD(g, lr=0.1))
@@ -155,33 +156,24 @@ def _offload_optimizer(optimizer: Any, model: nn.Module, plan: Plan, ctx: Contex
                     for g in groups]
 
     def make(host_groups: list[dict]) -> Any:
-        # optimizers that read the model (adam-mini: parameter names; galore: its linear layers) get it
+        # optimizers that read the model (adam-mini: parameter names; galore: its linear layers) see it
         # over the host copies they update
+        host_of = {id(p): h for g, hg in zip(plain_groups, host_groups) for p, h in zip(g["params"], hg["params"])}
         cpu_ctx = Context(device=torch.device("cpu"), env=ctx.env, model_name=ctx.model_name, lr=ctx.lr,
-                          weight_decay=ctx.weight_decay, model=None)
-        try:
-            cpu_ctx.model = _host_mirror(model, plain_groups, host_groups)
-        except Exception as e:  # noqa: BLE001  (a model copy.deepcopy cannot take: only optimizers that read it care)
-            why = f"{type(e).__name__}: {e}"
-        try:
-            return REGISTRY[plan.optimizer].make_optimizer(host_groups, plan, cpu_ctx)
-        except PlanError:
-            if cpu_ctx.model is not None:
-                raise
-            raise PlanError(f"'{plan.optimizer_token}' with 'offload:optimizer' reads the model, and offload:optimizer "
-                            f"needs its structure over the host copies of the weights, which this model does not "
-                            f"allow ({why}): drop offload:optimizer, or use adamw") from None
+                          weight_decay=ctx.weight_decay, model=_host_mirror(model, host_of, {}))
+        return REGISTRY[plan.optimizer].make_optimizer(host_groups, plan, cpu_ctx)
     return HostOptimizer(plain_groups, make, pair)
 
 
-def _host_mirror(model: nn.Module, groups: list[dict], host_groups: list[dict]) -> nn.Module:
-    """``model``'s module structure (names, layers, config) over the host copies of its trainable
-    parameters; frozen parameters and buffers are shared, not copied (``copy.deepcopy`` with a memo)."""
-    memo: dict[int, Any] = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    for g, hg in zip(groups, host_groups):
-        for p, h in zip(g["params"], hg["params"]):
-            memo[id(p)] = h
-    return copy.deepcopy(model, memo)
+def _host_mirror(m: nn.Module, host_of: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
+    """``m``'s module tree (names, layers, config: shallow copies) over the host copies of its trainable
+    parameters (``host_of``: id of the device parameter -> its host copy); buffers, frozen parameters and
+    every other attribute shared, a module used twice mirrored once."""
+    if id(m) not in memo:
+        c = memo[id(m)] = copy.copy(m)
+        c._parameters = {n: host_of.get(id(p), p) if p is not None else None for n, p in m._parameters.items()}
+        c._modules = {n: _host_mirror(ch, host_of, memo) if ch is not None else None for n, ch in m._modules.items()}
+    return memo[id(m)]
 
 
 class HostStateOptimizer(WrappedOptimizer):

@@ -1,4 +1,4 @@
-"""Block parameters in host RAM, copied to the device just before each block runs, in forward and backward (``offload:params``)."""
+"""Moves block parameters to host RAM; each block's come to the device just before it runs (``offload:params``)."""
 from __future__ import annotations
 
 from typing import Any, Iterable
