@@ -190,6 +190,8 @@ def test_clear_refusals():
         bench_sharded(MODEL, ["baseline"], world_size=2, batch=8, device="cpu")
     with pytest.raises(PlanError, match="world_size >= 2"):
         estimate(MODEL, "zero:3", batch=8, seq=SEQ, device="cpu", gpu=None)
+    with pytest.raises(PlanError, match="adamw8bit"):  # the estimate refuses what the sharded run refuses
+        estimate(MODEL, "zero:3+adamw8bit", batch=8, seq=SEQ, device="cpu", gpu=None, world_size=2)
 
 
 def test_cli_world_size_refuses_before_spawning(capsys):

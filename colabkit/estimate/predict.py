@@ -132,6 +132,12 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
         return r
     plan = Plan.parse(plan)
+    if plan.get("zero") is not None and world_size >= 2:  # refused as the sharded run refuses it (its optimizer, ...)
+        try:
+            REGISTRY["zero"].check(plan, Context(device=torch.device("cpu")))
+        except PlanError as e:
+            if "needs one process per rank" not in str(e):  # the estimate is per rank: no process group needed
+                raise
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
     if "(AutoModelForCausalLM)" in getattr(model_fn, "__name__", ""):
