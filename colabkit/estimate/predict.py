@@ -173,6 +173,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
+    if zero == 3 and offload:  # FSDP2's CPUOffloadPolicy: each rank's host keeps its 1/N of what is offloaded
+        host = -(-host // world_size)
+        notes.append(f"zero:3 with offload: host RAM per rank is 1/{world_size} of the model's offloaded state")
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])
