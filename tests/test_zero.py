@@ -190,6 +190,8 @@ def test_clear_refusals():
         bench_sharded(MODEL, ["baseline"], world_size=2, batch=8, device="cpu")
     with pytest.raises(PlanError, match="world_size >= 2"):
         estimate(MODEL, "zero:3", batch=8, seq=SEQ, device="cpu", gpu=None)
+    with pytest.raises(PlanError, match="adamw8bit"):  # the estimate refuses what the sharded run refuses
+        estimate(MODEL, "zero:3+adamw8bit", batch=8, seq=SEQ, device="cpu", gpu=None, world_size=2)
 
 
 def test_cli_world_size_refuses_before_spawning(capsys):
@@ -303,3 +305,13 @@ def test_bf16_zero3_activations_at_70b():
     kw = dict(batch=1, seq=4096, gpu="h100")
     model = "hf:meta-llama/Llama-3.1-70B"
     assert _activations(model, "bf16+zero:3+checkpoint", **kw) <= 1.5 * _activations(model, "zero:3+checkpoint", **kw)
+
+
+def test_zero3_offload_host_ram_is_per_rank():
+    """zero:3 with offload:optimizer keeps each rank's shards in its host RAM (FSDP2's CPUOffloadPolicy): per
+    rank about 16 B/param / N (fp32 master weights, gradients and AdamW's two moments; pinned buffers round up
+    to powers of two, so within 0.5-2x), not the whole model's (which is N times that: caught at N = 4)."""
+    n = sum(p.numel() for p in build_model("gpt:4x256").parameters())
+    for ws in (2, 4):
+        host = estimate("gpt:4x256", "zero:3+offload:optimizer", batch=8, seq=64, gpu="t4", world_size=ws)["host_bytes"]
+        assert 0.5 <= host / (16 * n / ws) <= 2, (ws, host / (16 * n / ws))

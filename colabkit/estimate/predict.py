@@ -132,6 +132,12 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
         return r
     plan = Plan.parse(plan)
+    if plan.get("zero") is not None and world_size >= 2:  # refused as the sharded run refuses it (its optimizer, ...)
+        try:
+            REGISTRY["zero"].check(plan, Context(device=torch.device("cpu")))
+        except PlanError as e:
+            if "needs one process per rank" not in str(e):  # the estimate is per rank: no process group needed
+                raise
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
     if "(AutoModelForCausalLM)" in getattr(model_fn, "__name__", ""):
@@ -167,6 +173,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
+    if zero == 3 and offload:  # FSDP2's CPUOffloadPolicy: each rank's host keeps its 1/N of what is offloaded
+        host = -(-host // world_size)
+        notes.append(f"zero:3 with offload: host RAM per rank is 1/{world_size} of the model's offloaded state")
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])
