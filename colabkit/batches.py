@@ -255,7 +255,8 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         elif x is not None and x.ndim in (2, 3) and (tokens or x.is_floating_point()):  # input_ids / inputs_embeds
             shape, where, ok = str(tuple(x.shape[:2])), "(one per input position)", tuple(y.shape) == tuple(x.shape[:2])
         else:
-            shape, where, ok = f"({b.size}, sequence)", "(one per position)", y.ndim == 2 and y.shape[0] == b.size
+            # other inputs (pixel_values: segmentation maps, ...): only the batch dimension is known
+            shape, where, ok = f"({b.size}, ...)", "(one per position)", y.ndim >= 1 and y.shape[0] == b.size
         want = f"this {head} head needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
         if y.dtype != torch.long or not ok:
             raise PlanError(f"{got}; {want}")
