@@ -222,8 +222,15 @@ def _ran(model: torch.nn.Module) -> dict[str, int]:
     training step."""
     model = unwrap(model)  # a peft PeftModel: the transformers model under it, where check_ran looks
     if "_colabkit_ran" not in model.__dict__:
-        model._colabkit_ran = {}
+        model._colabkit_ran, model._colabkit_witnessed = {}, set()
     return model._colabkit_ran
+
+
+def _witness(model: torch.nn.Module, tok: str) -> dict[str, int]:
+    """Register ``tok`` as one whose running is counted (and checked by :func:`check_ran`); the counts."""
+    ran = _ran(model)
+    unwrap(model)._colabkit_witnessed.add(tok)
+    return ran
 
 
 def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Context) -> None:
@@ -234,6 +241,8 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
     once: not again inside the model's own forward. ``makers``: ``[(token, make)]``; each entry is counted
     in :func:`_ran`."""
     ran = _ran(model)
+    for tok, _ in makers:
+        _witness(model, tok)
     model._colabkit_inside = False
 
     def wrap(module: torch.nn.Module) -> None:
@@ -263,7 +272,7 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
 
 def _witness_chunked(model: torch.nn.Module, tok: str) -> None:
     """Count the forwards whose loss colabkit's chunked cross-entropy computed (logits left as ChunkedLogits)."""
-    inner, ran = model.forward, _ran(model)
+    inner, ran = model.forward, _witness(model, tok)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -277,10 +286,26 @@ def _witness_chunked(model: torch.nn.Module, tok: str) -> None:
 
 def _witness_adapters(model: torch.nn.Module, tok: str) -> None:
     """Count the forwards of the first LoRA layer (a forward hook)."""
-    ran = _ran(model)
     layer = next((m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")), None)
     if layer is not None:
+        ran = _witness(model, tok)
         layer.register_forward_hook(lambda *_: ran.__setitem__(tok, ran.get(tok, 0) + 1))
+
+
+def _witness_checkpoint(model: torch.nn.Module, tok: str) -> None:
+    """Count the checkpointed calls of transformers' checkpointing layers (their ``_gradient_checkpointing_func``,
+    set by ``gradient_checkpointing_enable`` on every N-th layer)."""
+    top = unwrap(model)
+    layers = [m for m in top.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and callable(getattr(m, "_gradient_checkpointing_func", None)) and m is not getattr(top, "base_model", None)]
+    if not layers:
+        return
+    ran = _witness(model, tok)
+    for layer in layers:
+        def counted(*args: Any, _inner=layer._gradient_checkpointing_func, **kwargs: Any) -> Any:
+            ran[tok] = ran.get(tok, 0) + 1
+            return _inner(*args, **kwargs)
+        layer._gradient_checkpointing_func = counted
 
 
 def _mark_adapters(model: torch.nn.Module) -> None:
@@ -320,6 +345,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
+    if "checkpoint" in names:
+        _witness_checkpoint(model, _spelled(plan, "checkpoint"))
     if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
         loss_in_forward(model, plan.get("chunked-ce"))
         _witness_chunked(model, _spelled(plan, "chunked-ce"))
@@ -356,6 +383,7 @@ def check_run(args: Any, model: torch.nn.Module) -> None:
 _FUSED_HEAD = ("TRL's fused LM head (SFTTrainer, DPOTrainer, ...) calls the backbone and scores the tokens from the "
                "head's weight itself (logits in chunks of 32768 token rows), around model.forward")
 _HOW = {"chunked-ce": "colabkit's chunked cross-entropy never computed the loss",
+        "checkpoint": "no checkpointed layer ran",
         "lora": "no LoRA adapter ran", "qlora": "no LoRA adapter ran"}
 
 
@@ -382,10 +410,10 @@ def check_ran(model: torch.nn.Module) -> None:
     colabkit.plan.PlanError: plan token 'compress:int8' did not run in the first training step (its forward context was never entered): the model was called around model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop 'compress:int8' from the plan
     """
     model = unwrap(model)
-    ran, plan = getattr(model, "_colabkit_ran", None), getattr(model, "_colabkit_plan", None)
-    if ran is None or plan is None:
+    ran, witnessed = getattr(model, "_colabkit_ran", None), getattr(model, "_colabkit_witnessed", ())
+    if ran is None:
         return
-    missing = [t for t in split_plan(plan, "cpu")[1] if not t.startswith("checkpoint") and not ran.get(t)]
+    missing = [t for t in sorted(witnessed) if not ran.get(t)]
     if not missing:
         return
     fused = _trl_fused(model)

@@ -228,7 +228,7 @@ MATRIX = {
     "chunked-ce": (witnessed("chunked-ce", without_logits), stopped("TRL's fused LM head")),
     # (under SFTTrainer the activations also hold TRL's fused head's buffers, which checkpointing leaves alone)
     "checkpoint": (less("activations", 0.5), less("activations", 0.9)),
-    "checkpoint:2": (less("activations"),) * 2,
+    "checkpoint:2": (witnessed("checkpoint:2", less("activations")),) * 2,
     "bf16": (less("activations", 0.9),) * 2,
     "accum:2": (accumulated(2),) * 2,
     "lora:4": (witnessed("lora:4", adapters(False)),) * 2,
@@ -335,3 +335,19 @@ def test_training_arguments_keep_sftconfig_defaults_off_the_plan():
     assert args.bf16 and getattr(args, ckpt)
     with pytest.raises(PlanError, match="bf16=True is not in the plan 'checkpoint': add 'bf16'"):
         hf.training_arguments("checkpoint", output_dir="o", use_cpu=True, bf16=True)
+
+
+def test_check_ran_sees_a_model_side_token_that_stopped_applying():
+    """checkpoint:2 is witnessed by its checkpointed layers' calls: a training forward passes check_ran; after
+    gradient_checkpointing_disable (nothing is recomputed any more) the same forward is stopped with the reason."""
+    model = hf.prepare_model(build_model("llama:2x128"), "checkpoint:2", device="cpu").train()
+    ids = torch.randint(0, V, (2, 16))
+    model._colabkit_ran.clear()
+    model(input_ids=ids, labels=ids)
+    assert model._colabkit_ran == {"checkpoint:2": 1}  # one of the two layers
+    hf.check_ran(model)
+    model.gradient_checkpointing_disable()
+    model._colabkit_ran.clear()
+    model(input_ids=ids, labels=ids)
+    with pytest.raises(PlanError, match="'checkpoint:2' did not run in the first training step \\(no checkpointed layer ran\\)"):
+        hf.check_ran(model)
