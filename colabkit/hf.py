@@ -140,7 +140,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
             key = _checkpoint_field()  # transformers 5.x renamed gradient_ to activation_checkpointing
             loop[tok] = {key: True, f"{key}_kwargs": {"use_reentrant": False}}
         elif name in ("fp16", "bf16"):
-            if name == "fp16" and not cuda:  # accelerate turns native AMP on for fp16 only off the CPU
+            if name == "fp16" and torch.device(device).type == "cpu":  # accelerate: no native fp16 AMP on a CPU
                 raise PlanError("'fp16' on the CPU: transformers' Trainer (accelerate) neither autocasts nor scales "
                                 "the loss there, so the run would be fp32 with fp16 in its name; use bf16 on the "
                                 "CPU, colabkit.Trainer(model, plan) for fp16, or a GPU")
