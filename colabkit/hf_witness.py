@@ -167,6 +167,10 @@ def check_ran(model: torch.nn.Module) -> None:
             fix = ("drop it for TRL's trainers (their fused head computes the logits in chunks itself), or train "
                    "with transformers.Trainer" if t.startswith("chunked-ce") else f"drop {t!r} from the plan")
             why.append(f"plan token {t!r} did not run in the first training step ({how}): {_FUSED_HEAD}; {fix}")
+        elif t.startswith("chunked-ce"):
+            why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called "
+                       "without labels (a compute_loss_func or label smoothing computes the loss from the full logits) "
+                       f"or around model.forward; let the model compute the loss from its labels, or drop {t!r}")
         else:
             why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called around "
                        f"model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop "

@@ -351,3 +351,20 @@ def test_check_ran_sees_a_model_side_token_that_stopped_applying():
     model(input_ids=ids, labels=ids)
     with pytest.raises(PlanError, match="'checkpoint:2' did not run in the first training step \\(no checkpointed layer ran\\)"):
         hf.check_ran(model)
+
+
+def test_chunked_ce_without_labels_is_stopped(data, tmp_path):
+    """transformers.Trainer with a compute_loss_func calls the model without labels: the full logits are built and
+    colabkit's chunked loss never runs -- stopped at the first forward, saying so (a reason true for this case).
+    Reference: the same run without compute_loss_func trains (test_model_side_tokens_apply_or_stop[hf-chunked-ce])."""
+    model = hf.prepare_model(build_model("llama:2x128"), "chunked-ce", device="cpu")
+    args = hf.training_arguments("chunked-ce", output_dir=str(tmp_path / "o"), per_device_train_batch_size=B,
+                                 max_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return torch.nn.functional.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data["hf"], compute_loss_func=loss_func,
+                                   callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+    with pytest.raises(PlanError, match="'chunked-ce' did not run .* called without labels"):
+        trainer.train()
