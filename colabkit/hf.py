@@ -62,7 +62,7 @@ from .batches import unwrap
 from .env import default_device, env
 from .hf_models import build_llama, dtype_kwarg, llama_config, llama_intermediate, load_hf_4bit, single_device_map  # noqa: F401
 from .hf_witness import (_spelled, _with_contexts, _witness_adapters, _witness_checkpoint, _witness_chunked,
-                         check_ran)
+                         check_adapters, check_ran)
 from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
@@ -71,7 +71,7 @@ from .techniques.chunked_ce import loss_in_forward
 from .techniques.optimizers import HF_OPTIM
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
-           "check_ran", "check_measurable", "check_one_device",
+           "check_ran", "check_adapters", "check_measurable", "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -368,6 +368,7 @@ class MemoryCallback:
         check_run(args, model)
         check_one_device(model)
         check_measurable(optimizer)
+        check_adapters(model)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer

@@ -176,3 +176,22 @@ def check_ran(model: torch.nn.Module) -> None:
                        f"model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop "
                        f"{t!r} from the plan")
     raise PlanError("; ".join(why))
+
+
+def check_adapters(model: torch.nn.Module) -> None:
+    """PlanError when the LoRA adapters of a lora/qlora plan no longer train in fp32 (colabkit's LoRA keeps them
+    in fp32 whatever the base's dtype, and its estimates count them so): TRL's SFTTrainer casts the trainable
+    parameters of a 4-bit model (``is_loaded_in_4bit``) to bf16 at construction, following the QLoRA paper.
+
+    >>> check_adapters(torch.nn.Linear(2, 2))  # no colabkit plan: nothing to check
+    """
+    top = unwrap(model)
+    plan = getattr(top, "_colabkit_plan", None)
+    if plan is None or not ({"lora", "qlora"} & {t.partition(":")[0] for t in plan.split("+")}):
+        return
+    cast = sorted({str(p.dtype) for n, p in top.named_parameters() if p.requires_grad and "lora_" in n} - {"torch.float32"})
+    if cast:
+        raise PlanError(f"the LoRA adapters of {plan!r} train in {', '.join(cast)}, not fp32 (TRL's SFTTrainer casts the "
+                        "trainable parameters of a 4-bit model to bf16): cast them back after building the trainer -- "
+                        "for p in model.parameters(): p.data = p.data.float() if p.requires_grad else p.data -- or "
+                        "train with transformers.Trainer")

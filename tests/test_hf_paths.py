@@ -368,3 +368,34 @@ def test_chunked_ce_without_labels_is_stopped(data, tmp_path):
                                    callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
     with pytest.raises(PlanError, match="'chunked-ce' did not run .* called without labels"):
         trainer.train()
+
+
+@needs_trl
+def test_trl_casting_qlora_adapters_to_bf16_is_stopped(data, tmp_path):
+    """SFTTrainer casts the trainable parameters of a 4-bit hub model (is_loaded_in_4bit) to bf16; colabkit's
+    qlora trains its adapters in fp32: MemoryCallback stops the run at the start, saying so. The fix it names
+    (casting them back after building the trainer) trains with fp32 adapters. Stand-in for the hub model: the
+    attributes from_pretrained(quantization_config=...) leaves (test_hf_trainer's)."""
+    import types
+
+    def hub_4bit():
+        m = build_model("llama:2x128")
+        m.is_quantized = m.is_loaded_in_4bit = True
+        m.hf_quantizer = types.SimpleNamespace(is_trainable=True, is_qat_trainable=False,
+                                               quantization_config=types.SimpleNamespace(quant_method="bitsandbytes"))
+        return m
+
+    with pytest.raises(PlanError, match="adapters of 'qlora:4' train in torch.bfloat16, not fp32 \\(TRL's SFTTrainer"):
+        run("trl", "qlora:4", data, tmp_path, make=hub_4bit)
+    ds, tokenizer = data["trl"]
+    model = hf.prepare_model(hub_4bit(), "qlora:4", device="cpu")
+    args = hf.training_arguments("qlora:4", cls=trl.SFTConfig, max_length=S, output_dir=str(tmp_path / "o"),
+                                 per_device_train_batch_size=B, max_steps=1, report_to="none", save_strategy="no",
+                                 disable_tqdm=True, use_cpu=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer,
+                             callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+    for p in model.parameters():
+        p.data = p.data.float() if p.requires_grad else p.data
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
