@@ -51,7 +51,6 @@ colabkit.plan.PlanError: 'fused-step': transformers' Trainer clips and steps aft
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import warnings
@@ -62,15 +61,17 @@ import torch
 from .batches import unwrap
 from .env import default_device, env
 from .hf_models import build_llama, dtype_kwarg, llama_config, llama_intermediate, load_hf_4bit, single_device_map  # noqa: F401
+from .hf_witness import (_spelled, _with_contexts, _witness_adapters, _witness_checkpoint, _witness_chunked,
+                         check_adapters, check_ran)
 from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
-from .techniques.chunked_ce import ChunkedLogits, loss_in_forward
+from .techniques.chunked_ce import loss_in_forward
 from .techniques.optimizers import HF_OPTIM
 
 __all__ = ["MemoryCallback", "training_arguments", "prepare_model", "split_plan", "loop_arguments", "check_run",
-           "check_ran", "check_measurable", "check_one_device",
+           "check_ran", "check_adapters", "check_measurable", "check_one_device",
            # re-exported from colabkit.hf_models: loading Hugging Face models
            "build_llama", "dtype_kwarg", "llama_config", "llama_intermediate", "load_hf_4bit", "single_device_map"]
 
@@ -111,10 +112,6 @@ def _parse(plan: Plan | str) -> Plan:
     return Plan.parse(plan)
 
 
-def _spelled(plan: Plan, name: str) -> str:
-    return next((t for t in plan.tokens if t == name or t.startswith(name + ":")), name)
-
-
 def _checkpoint_field() -> str:
     fields = getattr(_transformers().TrainingArguments, "__dataclass_fields__", {})
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
@@ -143,7 +140,7 @@ def split_plan(plan: Plan | str, device: str | torch.device = "cpu") -> tuple[di
             key = _checkpoint_field()  # transformers 5.x renamed gradient_ to activation_checkpointing
             loop[tok] = {key: True, f"{key}_kwargs": {"use_reentrant": False}}
         elif name in ("fp16", "bf16"):
-            if name == "fp16" and not cuda:  # accelerate turns native AMP on for fp16 only off the CPU
+            if name == "fp16" and torch.device(device).type == "cpu":  # accelerate: no native fp16 AMP on a CPU
                 raise PlanError("'fp16' on the CPU: transformers' Trainer (accelerate) neither autocasts nor scales "
                                 "the loss there, so the run would be fp32 with fp16 in its name; use bf16 on the "
                                 "CPU, colabkit.Trainer(model, plan) for fp16, or a GPU")
@@ -216,73 +213,6 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     return args
 
 
-def _ran(model: torch.nn.Module) -> dict[str, int]:
-    """``{token: times it ran}`` for the model-side tokens :func:`prepare_model` can witness (their forward
-    context entered, their hook fired, their loss computed); :class:`MemoryCallback` checks it at the first
-    training step."""
-    model = unwrap(model)  # a peft PeftModel: the transformers model under it, where check_ran looks
-    if "_colabkit_ran" not in model.__dict__:
-        model._colabkit_ran = {}
-    return model._colabkit_ran
-
-
-def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Context) -> None:
-    """Run ``model.forward`` inside the techniques' forward contexts (saved-tensor hooks, SDPA backend): what
-    is saved for backward in the forward -- the loss included, which transformers computes inside -- is
-    packed; backward unpacks it wherever it runs. The backbone (``model.base_model``) gets the same contexts
-    for callers that go around ``model.forward`` -- TRL's fused LM head calls the backbone itself -- entered
-    once: not again inside the model's own forward. ``makers``: ``[(token, make)]``; each entry is counted
-    in :func:`_ran`."""
-    ran = _ran(model)
-    model._colabkit_inside = False
-
-    def wrap(module: torch.nn.Module) -> None:
-        inner = module.forward
-
-        @functools.wraps(inner)  # keeps the signature transformers inspects (labels, loss kwargs)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if model._colabkit_inside:  # the backbone inside the model's own forward: entered already
-                return inner(*args, **kwargs)
-            with contextlib.ExitStack() as stack:
-                for tok, make in makers:
-                    stack.enter_context(make(plan, ctx))
-                    ran[tok] = ran.get(tok, 0) + 1
-                model._colabkit_inside = True
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    model._colabkit_inside = False
-
-        module.forward = forward
-
-    wrap(model)
-    backbone = getattr(unwrap(model), "base_model", model)  # under a PeftModel: the transformers model's backbone
-    if isinstance(backbone, torch.nn.Module) and backbone is not model and backbone is not unwrap(model):
-        wrap(backbone)
-
-
-def _witness_chunked(model: torch.nn.Module, tok: str) -> None:
-    """Count the forwards whose loss colabkit's chunked cross-entropy computed (logits left as ChunkedLogits)."""
-    inner, ran = model.forward, _ran(model)
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
-        if isinstance(getattr(out, "logits", None), ChunkedLogits):
-            ran[tok] = ran.get(tok, 0) + 1
-        return out
-
-    model.forward = forward
-
-
-def _witness_adapters(model: torch.nn.Module, tok: str) -> None:
-    """Count the forwards of the first LoRA layer (a forward hook)."""
-    ran = _ran(model)
-    layer = next((m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")), None)
-    if layer is not None:
-        layer.register_forward_hook(lambda *_: ran.__setitem__(tok, ran.get(tok, 0) + 1))
-
-
 def _mark_adapters(model: torch.nn.Module) -> None:
     """Flag peft adapters injected into a quantized transformers model as transformers' own
     ``model.add_adapter`` does (``_hf_peft_config_loaded``; peft already set ``model.peft_config``): a model
@@ -320,6 +250,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
+    if "checkpoint" in names:
+        _witness_checkpoint(model, _spelled(plan, "checkpoint"))
     if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
         loss_in_forward(model, plan.get("chunked-ce"))
         _witness_chunked(model, _spelled(plan, "chunked-ce"))
@@ -351,56 +283,6 @@ def check_run(args: Any, model: torch.nn.Module) -> None:
                     raise PlanError(f"plan token {tok!r} needs TrainingArguments({key}={value!r}), the Trainer has "
                                     f"{key}={getattr(args, key, None)!r}: build them with "
                                     f"colabkit.hf.training_arguments({text!r}, ...)")
-
-
-_FUSED_HEAD = ("TRL's fused LM head (SFTTrainer, DPOTrainer, ...) calls the backbone and scores the tokens from the "
-               "head's weight itself (logits in chunks of 32768 token rows), around model.forward")
-_HOW = {"chunked-ce": "colabkit's chunked cross-entropy never computed the loss",
-        "lora": "no LoRA adapter ran", "qlora": "no LoRA adapter ran"}
-
-
-def _trl_fused(model: torch.nn.Module) -> bool:
-    """True when TRL's ``add_fused_lm_head`` replaced ``model.forward`` (its code object keeps its name)."""
-    fwd = getattr(model, "forward", None)
-    code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward"
-
-
-def check_ran(model: torch.nn.Module) -> None:
-    """PlanError naming each model-side token of :func:`prepare_model` that did not run in the forward just
-    done (its forward context never entered, its hook never fired, its loss never computed), and why where
-    known: nothing applied is dropped silently. :class:`MemoryCallback` calls it after the first training
-    forward, before any backward or optimizer step.
-
-    >>> from colabkit.models import build_model
-    >>> m = prepare_model(build_model("gpt-tiny"), "compress:int8", device="cpu")
-    >>> m._colabkit_ran
-    {}
-    >>> check_ran(m)
-    Traceback (most recent call last):
-    ...
-    colabkit.plan.PlanError: plan token 'compress:int8' did not run in the first training step (its forward context was never entered): the model was called around model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop 'compress:int8' from the plan
-    """
-    model = unwrap(model)
-    ran, plan = getattr(model, "_colabkit_ran", None), getattr(model, "_colabkit_plan", None)
-    if ran is None or plan is None:
-        return
-    missing = [t for t in split_plan(plan, "cpu")[1] if not t.startswith("checkpoint") and not ran.get(t)]
-    if not missing:
-        return
-    fused = _trl_fused(model)
-    why = []
-    for t in missing:
-        how = _HOW.get(t.partition(":")[0], "its forward context was never entered")
-        if fused:
-            fix = ("drop it for TRL's trainers (TRL's head already never builds the whole logits of a longer batch), "
-                   "or train with transformers.Trainer" if t.startswith("chunked-ce") else f"drop {t!r} from the plan")
-            why.append(f"plan token {t!r} did not run in the first training step ({how}): {_FUSED_HEAD}; {fix}")
-        else:
-            why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called around "
-                       f"model.forward, where colabkit.hf.prepare_model applied it; call the model itself, or drop "
-                       f"{t!r} from the plan")
-    raise PlanError("; ".join(why))
 
 
 def check_measurable(optimizer: Any) -> None:
@@ -486,6 +368,7 @@ class MemoryCallback:
         check_run(args, model)
         check_one_device(model)
         check_measurable(optimizer)
+        check_adapters(model)
         self.tracker = MemoryTracker(model, optimizer, budget_bytes=self.budget_bytes, alert_at=self.alert_at,
                                      on_sample=self.live_plot.update if self.live_plot is not None else None)
         self._optimizer = optimizer

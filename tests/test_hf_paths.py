@@ -228,7 +228,7 @@ MATRIX = {
     "chunked-ce": (witnessed("chunked-ce", without_logits), stopped("TRL's fused LM head")),
     # (under SFTTrainer the activations also hold TRL's fused head's buffers, which checkpointing leaves alone)
     "checkpoint": (less("activations", 0.5), less("activations", 0.9)),
-    "checkpoint:2": (less("activations"),) * 2,
+    "checkpoint:2": (witnessed("checkpoint:2", less("activations")),) * 2,
     "bf16": (less("activations", 0.9),) * 2,
     "accum:2": (accumulated(2),) * 2,
     "lora:4": (witnessed("lora:4", adapters(False)),) * 2,
@@ -335,3 +335,67 @@ def test_training_arguments_keep_sftconfig_defaults_off_the_plan():
     assert args.bf16 and getattr(args, ckpt)
     with pytest.raises(PlanError, match="bf16=True is not in the plan 'checkpoint': add 'bf16'"):
         hf.training_arguments("checkpoint", output_dir="o", use_cpu=True, bf16=True)
+
+
+def test_check_ran_sees_a_model_side_token_that_stopped_applying():
+    """checkpoint:2 is witnessed by its checkpointed layers' calls: a training forward passes check_ran; after
+    gradient_checkpointing_disable (nothing is recomputed any more) the same forward is stopped with the reason."""
+    model = hf.prepare_model(build_model("llama:2x128"), "checkpoint:2", device="cpu").train()
+    ids = torch.randint(0, V, (2, 16))
+    model._colabkit_ran.clear()
+    model(input_ids=ids, labels=ids)
+    assert model._colabkit_ran == {"checkpoint:2": 1}  # one of the two layers
+    hf.check_ran(model)
+    model.gradient_checkpointing_disable()
+    model._colabkit_ran.clear()
+    model(input_ids=ids, labels=ids)
+    with pytest.raises(PlanError, match="'checkpoint:2' did not run in the first training step \\(no checkpointed layer ran\\)"):
+        hf.check_ran(model)
+
+
+def test_chunked_ce_without_labels_is_stopped(data, tmp_path):
+    """transformers.Trainer with a compute_loss_func calls the model without labels: the full logits are built and
+    colabkit's chunked loss never runs -- stopped at the first forward, saying so (a reason true for this case).
+    Reference: the same run without compute_loss_func trains (test_model_side_tokens_apply_or_stop[hf-chunked-ce])."""
+    model = hf.prepare_model(build_model("llama:2x128"), "chunked-ce", device="cpu")
+    args = hf.training_arguments("chunked-ce", output_dir=str(tmp_path / "o"), per_device_train_batch_size=B,
+                                 max_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return torch.nn.functional.cross_entropy(outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data["hf"], compute_loss_func=loss_func,
+                                   callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+    with pytest.raises(PlanError, match="'chunked-ce' did not run .* called without labels"):
+        trainer.train()
+
+
+@needs_trl
+def test_trl_casting_qlora_adapters_to_bf16_is_stopped(data, tmp_path):
+    """SFTTrainer casts the trainable parameters of a 4-bit hub model (is_loaded_in_4bit) to bf16; colabkit's
+    qlora trains its adapters in fp32: MemoryCallback stops the run at the start, saying so. The fix it names
+    (casting them back after building the trainer) trains with fp32 adapters. Stand-in for the hub model: the
+    attributes from_pretrained(quantization_config=...) leaves (test_hf_trainer's)."""
+    import types
+
+    def hub_4bit():
+        m = build_model("llama:2x128")
+        m.is_quantized = m.is_loaded_in_4bit = True
+        m.hf_quantizer = types.SimpleNamespace(is_trainable=True, is_qat_trainable=False,
+                                               quantization_config=types.SimpleNamespace(quant_method="bitsandbytes"))
+        return m
+
+    with pytest.raises(PlanError, match="adapters of 'qlora:4' train in torch.bfloat16, not fp32 \\(TRL's SFTTrainer"):
+        run("trl", "qlora:4", data, tmp_path, make=hub_4bit)
+    ds, tokenizer = data["trl"]
+    model = hf.prepare_model(hub_4bit(), "qlora:4", device="cpu")
+    args = hf.training_arguments("qlora:4", cls=trl.SFTConfig, max_length=S, output_dir=str(tmp_path / "o"),
+                                 per_device_train_batch_size=B, max_steps=1, report_to="none", save_strategy="no",
+                                 disable_tqdm=True, use_cpu=True)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer,
+                             callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+    for p in model.parameters():
+        p.data = p.data.float() if p.requires_grad else p.data
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
