@@ -196,3 +196,17 @@ def test_a_formula_far_from_the_estimate_says_why():
            "verdict": "fits", "error": None, "measured_on": "m", "predicted_for": "gpt2-124m, 8x512, t4", "why": why}
     assert side_by_side_table([row]).splitlines()[-1] == f"why compress:int8: {why}"
     assert "why" not in side_by_side_table([{**row, "why": None}]).splitlines()[-1]
+
+
+TECHNIQUE_NOTEBOOKS = ("02", "03", "04", "05", "06", "07", "08", "10", "11", "12", "15")
+SHARED_SCALE = ("plot_timelines(", "plot_breakdown(", "compare_bars(", "plot_per_rank(")   # bars/lines from 0
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if os.path.basename(p)[:2] in TECHNIQUE_NOTEBOOKS],
+                         ids=os.path.basename)
+def test_a_technique_notebook_compares_on_one_scale(path):
+    """Issue 37: each technique notebook shows baseline vs technique (or memory vs the knob) in one figure on a
+    shared scale from 0, not a plot per plan with its own autoscaled axis."""
+    with open(path) as f:
+        code = "\n".join(_src(c) for c in json.load(f)["cells"] if c["cell_type"] == "code")
+    assert any(fn in code for fn in SHARED_SCALE), f"{os.path.basename(path)}: no shared-scale comparison figure"
