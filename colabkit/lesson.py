@@ -1,6 +1,6 @@
 """What a lesson shows beside its measurements: a score of an answer against the wanted one, the loss
-curve of a fine-tune, one comparison figure on a shared scale from 0, and numbers written without noise
-(no "-0.00", no raw dicts).
+curve of a fine-tune, one comparison figure on a shared scale from 0, the planner's plans with labels that
+never overlap, and numbers written without noise (no "-0.00", no raw dicts).
 
 These sit on top of :mod:`colabkit.plots` (the figures pass its :func:`~colabkit.plots.audit`).
 
