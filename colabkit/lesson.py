@@ -1,6 +1,6 @@
 """What a lesson shows beside its measurements: a score of an answer against the wanted one, the loss
-curve of a fine-tune, one comparison figure on a shared scale from 0, and numbers written without noise
-(no "-0.00", no raw dicts).
+curve of a fine-tune, one comparison figure on a shared scale from 0, the planner's plans with labels that
+never overlap, and numbers written without noise (no "-0.00", no raw dicts).
 
 These sit on top of :mod:`colabkit.plots` (the figures pass its :func:`~colabkit.plots.audit`).
 
@@ -230,8 +230,9 @@ def plan_chart(rows: Sequence[Mapping[str, Any]], budget_bytes: int | None = Non
             t.remove()                                    # no room: the number stays in the list only
     names = "\n".join(f"{i:>2}  {r['plan']}" for i, r in enumerate(pts, 1))
     fig.text(0.62, 0.91, names, va="top", ha="left", fontsize=7, family="monospace")
-    handles = [Line2D([], [], ls="none", marker="o", color="#55a868", label="fits"),
-               Line2D([], [], ls="none", marker="o", color="#c44e52", label="does not fit")]
+    handles = [Line2D([], [], ls="none", marker="o", color=c, label=label)
+               for c, label, kind in (("#55a868", "fits", True), ("#c44e52", "does not fit", False))
+               if any(bool(r["fits"]) == kind for r in pts)]   # an entry only for what the chart shows
     if budget_bytes:
         handles.append(Line2D([], [], color="0.4", ls=":", label="budget"))
     ax.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(1.02, 0.0), frameon=False)

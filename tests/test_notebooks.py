@@ -178,3 +178,35 @@ def test_the_plan_chart_is_legible_at_real_size():
     listed = [t.get_text() for t in fig.texts if "\n" in t.get_text()][0]
     assert all(r["plan"] in listed for r in rows)                                   # every plan is named
     assert pareto(rows, budget_bytes=14 << 30).figure and _overlapping_texts(pareto(rows).figure)  # the old chart overlaps
+
+
+def test_a_formula_far_from_the_estimate_says_why():
+    """Issue 37: 05's formula (5.8 GiB) sat beside its estimate (4.7 GiB) without a word. side_by_side_table
+    writes a reason under the table for a gap over 10% (naming what the formula leaves out), none within it."""
+    from colabkit.compare import formula_gap, side_by_side_table
+
+    at = {"params": 4 << 20, "grads": 0, "optimizer": 0, "activations": 30 << 20, "other": 2 << 20}
+    est = lambda total, acts: {"peak_bytes": 36 << 20, "peak_phase": "forward", "at_peak": at,   # noqa: E731
+                               "analytic": {"total": total, "weights": 4 << 20, "grads": 0, "optimizer": 0, "activations": acts}}
+    assert formula_gap(est(38 << 20, 34 << 20), "compress:int8") is None                    # 6% apart: agrees
+    why = formula_gap(est(48 << 20, 44 << 20), "compress:int8")                              # 33% apart
+    assert why.startswith("formula 33% above the estimate: it counts activations as 44.0 MiB") and "int8" in why
+    assert "int8" not in formula_gap(est(48 << 20, 44 << 20), "checkpoint")
+    row = {"plan": "compress:int8", "measured_bytes": 1, "predicted_bytes": 36 << 20, "formula_bytes": 48 << 20,
+           "verdict": "fits", "error": None, "measured_on": "m", "predicted_for": "gpt2-124m, 8x512, t4", "why": why}
+    assert side_by_side_table([row]).splitlines()[-1] == f"why compress:int8: {why}"
+    assert "why" not in side_by_side_table([{**row, "why": None}]).splitlines()[-1]
+
+
+TECHNIQUE_NOTEBOOKS = ("02", "03", "04", "05", "06", "07", "08", "10", "11", "12", "15")
+SHARED_SCALE = ("plot_timelines(", "plot_breakdown(", "compare_bars(", "plot_per_rank(")   # bars/lines from 0
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if os.path.basename(p)[:2] in TECHNIQUE_NOTEBOOKS],
+                         ids=os.path.basename)
+def test_a_technique_notebook_compares_on_one_scale(path):
+    """Issue 37: each technique notebook shows baseline vs technique (or memory vs the knob) in one figure on a
+    shared scale from 0, not a plot per plan with its own autoscaled axis."""
+    with open(path) as f:
+        code = "\n".join(_src(c) for c in json.load(f)["cells"] if c["cell_type"] == "code")
+    assert any(fn in code for fn in SHARED_SCALE), f"{os.path.basename(path)}: no shared-scale comparison figure"
