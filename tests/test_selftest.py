@@ -187,18 +187,22 @@ def test_without_bitsandbytes_its_checks_say_skipped_and_notebook_09_passes(monk
     """bitsandbytes absent (find_spec says so): its checks are "skipped" with the reason, the report stays ok,
     and notebook 09's selftest cell (run here on that report, as on a GPU) passes. Negative control: the
     same cell fails on a GPU report where a CUDA path was skipped, and on one with a failed check."""
-    import nbformat
     import types
 
     real = checks.importlib.util.find_spec
     monkeypatch.setattr(checks.importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
     monkeypatch.setattr(st, "env", lambda: {"platform": "test", "profile": None})
-    r = st.selftest("cpu", checks=["adamw8bit: bitsandbytes vs colabkit kernel", "HF Trainer + qlora:4", "fused-step"])
-    assert [c["status"] for c in r["checks"]] == ["skipped", "skipped", "pass"] and r["ok"] is True
+    r = st.selftest("cpu", checks=["adamw8bit: bitsandbytes vs colabkit kernel", "HF Trainer + qlora:4"])
+    assert [c["status"] for c in r["checks"]] == ["skipped", "skipped"] and r["ok"] is True
     assert all("bitsandbytes is not installed" in c["detail"] for c in r["checks"][:2])
 
-    nb = nbformat.read(os.path.join(ROOT, "notebooks", "09_will_it_fit.ipynb"), 4)
-    (cell,) = [c.source for c in nb.cells if c.cell_type == "code" and "colabkit.selftest(" in c.source]
+    with open(os.path.join(ROOT, "notebooks", "09_will_it_fit.ipynb")) as f:  # plain JSON: nbformat's validation is slow
+        cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+    (cell,) = [c for c in cells if "colabkit.selftest(" in c]
+
+    display = types.ModuleType("IPython.display")  # the cell's display calls: no IPython needed to run it here
+    display.Markdown, display.display = str, lambda *a: None
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
 
     def run_cell(report: dict) -> None:
         report = {**report, "simulated": False, "device": "a GPU"}
