@@ -4,7 +4,13 @@ On a GPU every check runs the CUDA-only code: offload with its side stream, even
 (``offload:optimizer``, ``offload:activations``, ``offload:params``, each against the plain run), a QLoRA
 model built and stepped with bitsandbytes' 4-bit kernels, fp16 with the GradScaler (its overflow skips
 included), ``paged-adamw8bit`` against ``adamw8bit`` (same update: paging only moves state under pressure),
-each technique's measured peak next to :func:`colabkit.estimate`'s prediction, and :func:`colabkit.calibrate`.
+each technique's measured peak next to :func:`colabkit.estimate`'s prediction, and :func:`colabkit.calibrate`;
+then the technique checks of :mod:`colabkit.selftest_checks` (fp16 with host gradients and an injected overflow,
+``offload:disk``, accumulation with offload, ``chunked-ce``, ``fused-step``, the 8-/4-bit optimizers,
+``attention:*`` alone and with ``checkpoint``, transformers' Trainer on a QLoRA model, ``--deterministic``, the
+step time against its prediction), each against a reference answer (a wrong number fails, not only a crash),
+with the side stream's race windows widened and the no-sync paths under the sync-debug mode "error" on CUDA.
+Every check row says its ``reference``.
 On a CPU the same functions run with the device the only difference: offload simulated (``offload_sim``, the
 :class:`~colabkit.device.CudaTwin` under the :class:`~colabkit.device.DevicePair`, a
 copy read before it was waited for holds NaN), fp16 through the CPU's autocast, qlora through bitsandbytes'
@@ -167,7 +173,7 @@ def check_calibrate(dev: torch.device, size: dict) -> dict:
     _needs_cuda(dev, "calibration measures a GPU")
     r = calibrate(store=False)
     errs = [a["need_error"] for a in r["after"]]
-    return {"ok": all(abs(a["allocated_error"]) < 0.5 for a in r["after"]), "reference": "torch.cuda.memory_stats", "calibration": r, "estimate_error": round(max(errs, key=abs), 4),
+    return {"ok": all(abs(a["allocated_error"]) < 0.5 for a in r["after"]), "reference": "the allocator's measured peaks (max_memory_allocated)", "calibration": r, "estimate_error": round(max(errs, key=abs), 4),
             "detail": f"profile {r['profile']}: context {fmt_bytes(r['fitted']['context_bytes'])}, allocator slack "
                       f"{r['fitted']['fragmentation']:.1%}; device-need error after calibration "
                       + ", ".join(f"{e:+.1%}" for e in errs)}

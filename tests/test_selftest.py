@@ -23,7 +23,7 @@ CUDA_ONLY = {"paged-adamw8bit", "peak vs estimate: paged-adamw8bit", "calibrate"
              "attention:efficient + checkpoint", "attention:flash", "attention:flash + checkpoint"}
 # what issue 34 asks the selftest to add, each a check with a reference answer
 NEW_CHECKS = ["fp16 + offload:optimizer (overflow injected)", "offload:disk", "accum:2 + offload:optimizer", "chunked-ce",
-              "fused-step", "adamw4bit", "adamw8bit: bitsandbytes vs colabkit kernel", "attention:math",
+              "fused-step", "fused-step + adamw8bit", "offload:params + adamw8bit", "adamw4bit", "adamw8bit: bitsandbytes vs colabkit kernel", "attention:math",
               "attention:math + checkpoint", "attention:efficient", "attention:efficient + checkpoint", "attention:flash",
               "attention:flash + checkpoint", "HF Trainer + qlora:4", "--deterministic", "step time vs prediction"]
 
