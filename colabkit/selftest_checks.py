@@ -302,7 +302,9 @@ STEP_TIME_RATIO = {"cuda": (1 / 3, 3.0),  # measured / predicted allowed: the pr
 def check_step_time(dev: torch.device, size: dict) -> dict:
     """Measured step time (untracked, warmed up, median of 5: :func:`~colabkit.timing.time_fn`) next to
     :func:`~colabkit.estimate.speed.predict_step_time` for this device, within :data:`STEP_TIME_RATIO`."""
-    gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
+    gpu = profile_for(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+    if dev.type == "cuda" and gpu is None:  # another GPU's figures would say nothing about this one
+        raise Skipped(f"skipped: no GPU profile for {torch.cuda.get_device_name(dev)} (its throughput is unknown)")
     _, t, _ = _trained("baseline", dev, size, steps=1)
     batch = TextData().batch(size["batch"], size["seq"], step=0, device=dev)
     got = time_fn(lambda: t.step(*batch), warmup=2, repeats=5, device=dev).median
@@ -320,7 +322,7 @@ def check_attention_cuda_only(backend: str, with_checkpoint: bool) -> Callable:
 
     def check(dev: torch.device, size: dict) -> dict:
         if dev.type != "cuda":
-            raise Skipped(f"skipped: needs CUDA (on a CPU only attention:math can be forced)")
+            raise Skipped("skipped: needs CUDA (on a CPU only attention:math can be forced)")
         return inner(dev, size)
     return check
 
