@@ -267,3 +267,41 @@ def test_race_widening_and_sync_debug_calls_only_in_device_py():
     assert found == {"device.py": list(SELFTEST_SEAM)}, found
     assert _selftest_seam_calls("torch . cuda._sleep(5)\n") == ["torch.cuda._sleep"]  # negative control
     assert _selftest_seam_calls("# torch.cuda._sleep(5)\nx = 'torch.cuda.set_sync_debug_mode'\n") == []
+
+
+def test_the_no_sync_paths_run_under_sync_debug(monkeypatch):
+    """adamw4bit's step and fused-step's per-parameter steps (inside backward) run under the seam's
+    ``sync_debug("error")``: a stand-in that raises, as CUDA's "error" mode raises on a sync, fails exactly
+    those checks. Negative control: plain fused-step (AdamW, no promise made) does not enter it."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def strict(self, mode="error"):
+        entered.append(mode)
+        raise RuntimeError("called a synchronizing CUDA operation")
+        yield
+    monkeypatch.setattr(dev.DevicePair, "sync_debug", strict)
+    names = ["adamw4bit", "fused-step + adamw8bit", "fused-step"]
+    rows = st.run_checks([st.CHECKS[n] for n in names], "cpu", st.SIZES["smoke"])
+    assert [r["status"] for r in rows] == ["fail", "fail", "pass"], [r["detail"] for r in rows]
+    assert all("synchronizing" in r["detail"] for r in rows[:2]) and set(entered) == {"error"}
+
+
+def test_the_offload_checks_widen_the_race_windows(monkeypatch):
+    """fp16 and accumulation with offload run their steps inside the seam's ``widened_races`` (on CUDA the side
+    stream sleeps before each copy). Negative control: offload:disk's check (no side-stream race) does not."""
+    import contextlib
+
+    pairs = []
+
+    @contextlib.contextmanager
+    def recording(self, cycles=0):
+        pairs.append(self)
+        yield
+    monkeypatch.setattr(dev.DevicePair, "widened_races", recording)
+    rows = st.run_checks([st.CHECKS["accum:2 + offload:optimizer"]], "cpu", st.SIZES["smoke"])
+    assert rows[0]["status"] == "pass" and len(pairs) == 1 and pairs[0].stats()["copies"] > 0  # the pair that copied
+    pairs.clear()
+    assert st.run_checks([st.CHECKS["offload:disk"]], "cpu", st.SIZES["smoke"])[0]["status"] == "pass" and pairs == []
