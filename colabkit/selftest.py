@@ -271,11 +271,12 @@ def report_markdown(r: dict) -> str:
             f"- {r['date']}, size {r['size']['name']} ({r['size']['model']}, batch {r['size']['batch']}, seq "
             f"{r['size']['seq']}): {r['counts']['pass']} passed, {r['counts']['fail']} failed, "
             f"{r['counts']['skipped']} skipped in {r['seconds']} s", "",
-            "| check | result | measured | predicted | estimate error | detail |", "|---|---|---|---|---|---|"]
+            "| check | result | reference | measured | predicted | estimate error | detail |",
+            "|---|---|---|---|---|---|---|"]
     for c in r["checks"]:
         m, p = c.get("measured_bytes"), c.get("predicted_bytes")
         err = c.get("estimate_error")
-        head.append(f"| {c['name']} | {c['status']} | {fmt_bytes(m) if m else ''} | {fmt_bytes(p) if p else ''} | "
+        head.append(f"| {c['name']} | {c['status']} | {c.get('reference', '')} | {fmt_bytes(m) if m else ''} | {fmt_bytes(p) if p else ''} | "
                     f"{'' if err is None else f'{err:+.1%}'} | {c['detail'].replace('|', chr(92) + '|')} |")  # a | in the detail escaped
     return "\n".join(head)
 
