@@ -4,7 +4,13 @@ On a GPU every check runs the CUDA-only code: offload with its side stream, even
 (``offload:optimizer``, ``offload:activations``, ``offload:params``, each against the plain run), a QLoRA
 model built and stepped with bitsandbytes' 4-bit kernels, fp16 with the GradScaler (its overflow skips
 included), ``paged-adamw8bit`` against ``adamw8bit`` (same update: paging only moves state under pressure),
-each technique's measured peak next to :func:`colabkit.estimate`'s prediction, and :func:`colabkit.calibrate`.
+each technique's measured peak next to :func:`colabkit.estimate`'s prediction, and :func:`colabkit.calibrate`;
+then the technique checks of :mod:`colabkit.selftest_checks` (fp16 with host gradients and an injected overflow,
+``offload:disk``, accumulation with offload, ``chunked-ce``, ``fused-step``, the 8-/4-bit optimizers,
+``attention:*`` alone and with ``checkpoint``, transformers' Trainer on a QLoRA model, ``--deterministic``, the
+step time against its prediction), each against a reference answer (a wrong number fails, not only a crash),
+with the side stream's race windows widened and the no-sync paths under the sync-debug mode "error" on CUDA.
+Every check row says its ``reference``.
 On a CPU the same functions run with the device the only difference: offload simulated (``offload_sim``, the
 :class:`~colabkit.device.CudaTwin` under the :class:`~colabkit.device.DevicePair`, a
 copy read before it was waited for holds NaN), fp16 through the CPU's autocast, qlora through bitsandbytes'
@@ -37,6 +43,7 @@ from .env import env, profile_for
 from .estimate import calibrate, estimate
 from .memory import fmt_bytes
 from .models import blocks_of, build_model
+from .selftest_checks import CHECKS as TECHNIQUE_CHECKS, Skipped
 from .train import measure
 from .trainer import Trainer
 
@@ -49,10 +56,6 @@ OFFLOAD_PLANS = ("offload:optimizer", "offload:activations", "offload:params")
 ESTIMATE_PLANS = ("baseline", "fp16", *OFFLOAD_PLANS, "qlora:8", "paged-adamw8bit")
 ESTIMATE_TOLERANCE = 0.15  # |predicted - measured| / measured above this fails the estimate's check
 SKIP = "skipped: needs CUDA"
-
-
-class Skipped(Exception):
-    """A check that cannot run on this device (the reason is the message)."""
 
 
 def _needs_cuda(dev: torch.device, what: str) -> None:
@@ -84,9 +87,11 @@ def _offload_check(plan: str) -> Callable[[torch.device, dict], dict]:
         stats = pair_of(t.model, t.ctx.device).stats()  # CUDA: pinned host allocator; the twin: also copies, waits, poison
         diff = _max_diff(ref, t)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        ok = diff <= 1e-4 and rel <= 1e-5 and not stats.get("poisoned")  # pinned bytes: reported (torch < 2.6: no stats)
-        return {"ok": ok, "detail": f"weights vs plain run: max |diff| {diff:.1e} (<= 1e-4), loss rel. diff {rel:.1e} "
-                                    f"(<= 1e-5); pinned host peak {fmt_bytes(stats.get('pinned_peak_bytes', 0))}"
+        pinned = stats.get("pinned_peak_bytes", 0)
+        counted = dev.type != "cuda" or hasattr(torch.cuda, "host_memory_stats")  # torch < 2.6: no pinned stats
+        ok = diff <= 1e-4 and rel <= 1e-5 and not stats.get("poisoned") and (pinned > 0 or not counted)
+        return {"ok": ok, "reference": "baseline, same seed and device; pinned host peak > 0", "detail": f"weights vs plain run: max |diff| {diff:.1e} (<= 1e-4), loss rel. diff {rel:.1e} "
+                                    f"(<= 1e-5); pinned host peak {fmt_bytes(pinned)} (> 0)"
                                     + (f"; twin: {stats.get('copies', 0)} side-stream copies, {stats.get('poisoned', 0)} "
                                        "landed poison (source freed or not ready)" if "copies" in stats else ""),
                 "stats": stats}
@@ -101,7 +106,7 @@ def check_fp16(dev: torch.device, size: dict) -> dict:
     rows = fp16_overflow_demo(size["model"], steps=2, init_scale=2.0**40, batch=size["batch"], seq=size["seq"], device=dev)
     skips = [r["skipped"] for r in rows] == [True, True] and rows[1]["scale"] == rows[0]["scale"] / 2
     ok = rel <= 2e-2 and skips and t.scaler.is_enabled() and t.scaler.get_scale() > 0
-    return {"ok": ok, "detail": f"loss vs fp32: rel. diff {rel:.1e} (<= 2e-2); overflowing scale 2^40: steps skipped "
+    return {"ok": ok, "reference": "fp32 baseline, same seed and device; overflow: scale / 2", "detail": f"loss vs fp32: rel. diff {rel:.1e} (<= 2e-2); overflowing scale 2^40: steps skipped "
                                 f"and scale halved: {skips}; scale now {t.scaler.get_scale():g}"
                                 + ("" if dev.type == "cuda" else " (CPU autocast fp16: numerics, not T4 speed)")}
 
@@ -122,7 +127,7 @@ def check_qlora(dev: torch.device, size: dict) -> dict:
     finite = all(torch.isfinite(torch.tensor(losses)).tolist())
     blocks = len(blocks_of(t.model))
     ok = n4 >= blocks and base_same and moved > 0 and finite
-    return {"ok": ok, "detail": f"{n4} Linear4bit layers ({blocks} blocks), base unchanged by the steps: {base_same}, "
+    return {"ok": ok, "reference": "the weights before the steps (base frozen, adapters moved)", "detail": f"{n4} Linear4bit layers ({blocks} blocks), base unchanged by the steps: {base_same}, "
                                 f"{moved} of {len(trainable)} trainable tensors moved, losses finite: {finite} "
                                 f"(bitsandbytes {bnb.__version__}, {'CUDA' if dev.type == 'cuda' else 'CPU'} kernels)"}
 
@@ -133,7 +138,7 @@ def check_paged(dev: torch.device, size: dict) -> dict:
     _, a = _trained("adamw8bit", dev, size)
     _, b = _trained("paged-adamw8bit", dev, size)
     diff = _max_diff(a, b)
-    return {"ok": diff <= 1e-6, "detail": f"weights vs adamw8bit: max |diff| {diff:.1e} (<= 1e-6)"}
+    return {"ok": diff <= 1e-6, "reference": "adamw8bit, same seed and device", "detail": f"weights vs adamw8bit: max |diff| {diff:.1e} (<= 1e-6)"}
 
 
 def _predicted(e: dict, dev: torch.device) -> int:
@@ -150,13 +155,13 @@ def _estimate_check(plan: str) -> Callable[[torch.device, dict], dict]:
         m = measure(size["model"], plan, batch=size["batch"], seq=size["seq"], steps=size["steps"], device=dev,
                     offload_sim=sim)
         if not m["ok"]:
-            return {"ok": False, "detail": f"measure failed: {m['error']}"}
+            return {"ok": False, "reference": "the estimate", "detail": f"measure failed: {m['error']}"}
         # the GPU's profile (a T4's when this GPU has none; the CPU twin predicts a T4): offload applied as on a GPU
         gpu = (profile_for(torch.cuda.get_device_name(dev)) if not sim else None) or "t4"
         e = estimate(size["model"], plan, batch=size["batch"], seq=size["seq"], gpu=gpu, calibration=False)
         pred, got = _predicted(e, dev), int(m["peak_bytes"])
         err = (pred - got) / got
-        return {"ok": abs(err) <= ESTIMATE_TOLERANCE, "measured_bytes": got, "predicted_bytes": pred,
+        return {"ok": abs(err) <= ESTIMATE_TOLERANCE, "reference": f"colabkit.estimate ({gpu} profile)", "measured_bytes": got, "predicted_bytes": pred,
                 "estimate_error": round(err, 4), "host_bytes": m.get("host_bytes"), "predicted_host_bytes": e.get("host_bytes"),
                 "detail": f"measured {fmt_bytes(got)}, estimate ({gpu}) {fmt_bytes(pred)}: {err:+.1%} "
                           f"(tolerance {ESTIMATE_TOLERANCE:.0%})"}
@@ -168,7 +173,7 @@ def check_calibrate(dev: torch.device, size: dict) -> dict:
     _needs_cuda(dev, "calibration measures a GPU")
     r = calibrate(store=False)
     errs = [a["need_error"] for a in r["after"]]
-    return {"ok": all(abs(a["allocated_error"]) < 0.5 for a in r["after"]), "calibration": r, "estimate_error": round(max(errs, key=abs), 4),
+    return {"ok": all(abs(a["allocated_error"]) < 0.5 for a in r["after"]), "reference": "the allocator's measured peaks (max_memory_allocated)", "calibration": r, "estimate_error": round(max(errs, key=abs), 4),
             "detail": f"profile {r['profile']}: context {fmt_bytes(r['fitted']['context_bytes'])}, allocator slack "
                       f"{r['fitted']['fragmentation']:.1%}; device-need error after calibration "
                       + ", ".join(f"{e:+.1%}" for e in errs)}
@@ -181,6 +186,7 @@ CHECKS: dict[str, Callable[[torch.device, dict], dict]] = {
     "paged-adamw8bit": check_paged,
     **{f"peak vs estimate: {p}": _estimate_check(p) for p in ESTIMATE_PLANS},
     "calibrate": check_calibrate,
+    **TECHNIQUE_CHECKS,
 }
 for _name, _fn in list(CHECKS.items()):
     _fn.check_name = _name
@@ -265,11 +271,12 @@ def report_markdown(r: dict) -> str:
             f"- {r['date']}, size {r['size']['name']} ({r['size']['model']}, batch {r['size']['batch']}, seq "
             f"{r['size']['seq']}): {r['counts']['pass']} passed, {r['counts']['fail']} failed, "
             f"{r['counts']['skipped']} skipped in {r['seconds']} s", "",
-            "| check | result | measured | predicted | estimate error | detail |", "|---|---|---|---|---|---|"]
+            "| check | result | reference | measured | predicted | estimate error | detail |",
+            "|---|---|---|---|---|---|---|"]
     for c in r["checks"]:
         m, p = c.get("measured_bytes"), c.get("predicted_bytes")
         err = c.get("estimate_error")
-        head.append(f"| {c['name']} | {c['status']} | {fmt_bytes(m) if m else ''} | {fmt_bytes(p) if p else ''} | "
+        head.append(f"| {c['name']} | {c['status']} | {c.get('reference', '')} | {fmt_bytes(m) if m else ''} | {fmt_bytes(p) if p else ''} | "
                     f"{'' if err is None else f'{err:+.1%}'} | {c['detail'].replace('|', chr(92) + '|')} |")  # a | in the detail escaped
     return "\n".join(head)
 

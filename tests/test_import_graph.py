@@ -104,6 +104,7 @@ FLOORS: list[tuple[str, list[str]]] = [
                                  "colabkit.chartstyle", "colabkit.liveplot", "colabkit.demos", "colabkit.hf",
                                  "colabkit.lesson",
                                  "colabkit.selftest",  # measured vs predicted per technique: runs demos
+                                 "colabkit.selftest_checks",  # the selftest's technique checks (uses hf)
                                  "colabkit.structured", "colabkit.structured.report"]),  # measured like compare
     ("CLI and the public API", ["colabkit.__main__", "colabkit"]),
 ]

@@ -164,6 +164,42 @@ class DevicePair:
         """The host (this thread) waits for ``event``: what was copied to host buffers before it is there."""
         event.synchronize()
 
+    @contextlib.contextmanager
+    def widened_races(self, cycles: int = 10_000_000) -> Iterator[None]:
+        """For the block, the side stream sleeps ``cycles`` GPU cycles (~7 ms) each time work enters it
+        (``torch.cuda._sleep``), so a copy read before it was waited for reads stale memory (selftest). The
+        twin needs nothing: its side-stream copies never land before they are waited for."""
+        if not self.cuda:
+            yield
+            return
+        side = self.side
+
+        @contextlib.contextmanager
+        def slow_side() -> Iterator[None]:
+            with side():
+                torch.cuda._sleep(cycles)
+                yield
+        self.side = slow_side
+        try:
+            yield
+        finally:
+            del self.side
+
+    @contextlib.contextmanager
+    def sync_debug(self, mode: str = "error") -> Iterator[None]:
+        """A path that promises no device sync, checked: ``torch.cuda.set_sync_debug_mode(mode)`` for the
+        block on CUDA ("error": a synchronizing call raises); the twin's own sync counter on a CPU."""
+        if not self.cuda:
+            with self.rt.sync_debug(mode):
+                yield
+            return
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
     def release_host_cache(self) -> None:
         """Give cached pinned blocks that nothing holds back to the OS."""
         self.rt.empty_host_cache()
