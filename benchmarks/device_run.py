@@ -46,8 +46,8 @@ DRY = {"model": "gpt-tiny", "batch": 2, "seq": 16, "steps": 2, "size": "smoke",
 def slug(gpu: str | None) -> str:
     """A file-name word for a GPU: its colabkit profile key, else its name in lower-case words.
 
-    >>> slug("NVIDIA H100 80GB HBM3"), slug("NVIDIA H200")
-    ('h100', 'nvidia-h200')
+    >>> slug("NVIDIA H100 80GB HBM3"), slug("NVIDIA B200")
+    ('h100', 'nvidia-b200')
     """
     from colabkit.env import profile_for
 

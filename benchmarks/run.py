@@ -36,7 +36,7 @@ PLANS = [
     "fp16+checkpoint", "checkpoint+adamw8bit", "fp16+checkpoint+adamw8bit",
     "checkpoint+adamw4bit+fused-step", "qlora:8+checkpoint", "fp16+checkpoint+chunked-ce",
 ]
-NEAREST_PROFILE = "h100"  # step-time profile for a GPU colabkit has none of (e.g. an H200: said so in the record)
+NEAREST_PROFILE = "h100"  # step-time profile for a GPU colabkit has none of (e.g. a B200: said so in the record)
 
 
 def step_profile(device: str) -> tuple[str | None, str]:

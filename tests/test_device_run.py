@@ -67,7 +67,8 @@ def test_result_files_are_named_after_the_gpu_and_the_date():
     env = {"date": "2026-11-27T04:00:00+00:00"}
     assert device_run.result_stem({**env, "gpu": "NVIDIA H100 80GB HBM3"}, dry=False) == "cuda-h100-t4emu-2026-11-27"
     # a GPU without a colabkit profile keeps its own name (never a neighbour's)
-    assert device_run.result_stem({**env, "gpu": "NVIDIA H200"}, dry=False) == "cuda-nvidia-h200-t4emu-2026-11-27"
+    assert device_run.result_stem({**env, "gpu": "NVIDIA H200"}, dry=False) == "cuda-h200-t4emu-2026-11-27"
+    assert device_run.result_stem({**env, "gpu": "NVIDIA B200"}, dry=False) == "cuda-nvidia-b200-t4emu-2026-11-27"
     assert device_run.result_stem({**env, "gpu": None}, dry=True) == "dry-run-cpu-2026-11-27"
 
 

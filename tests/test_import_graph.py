@@ -101,7 +101,7 @@ FLOORS: list[tuple[str, list[str]]] = [
                                             "colabkit.distributed", "colabkit.resilience", "colabkit.feed"]),
     ("estimate", ["colabkit.estimate", "colabkit.estimate.*"]),
     ("what the notebooks show", ["colabkit.quickstart", "colabkit.compare", "colabkit.widgets", "colabkit.plots",
-                                 "colabkit.chartstyle", "colabkit.liveplot", "colabkit.demos", "colabkit.hf",
+                                 "colabkit.chartstyle", "colabkit.liveplot", "colabkit.demos", "colabkit.hf", "colabkit.hf_witness",
                                  "colabkit.lesson",
                                  "colabkit.selftest",  # measured vs predicted per technique: runs demos
                                  "colabkit.selftest_checks",  # the selftest's technique checks (uses hf)
