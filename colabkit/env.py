@@ -367,7 +367,7 @@ def format_env(info: dict[str, Any] | None = None) -> str:
         f"host RAM      {gib(info['host_ram_available_bytes'])} available of {gib(info['host_ram_total_bytes'])}",
         f"native bf16   {info['bf16_native']}",
         f"SDPA          {', '.join(info['sdpa_backends'])}",
-        f"budget        {gib(info['budget_bytes'])}" + ("  (T4 emulation)" if info["emulating_t4"] else ""),
+        f"budget        {gib(info['budget_bytes'])}" + ("  (a T4's, emulated on this larger GPU)" if info["emulating_t4"] else ""),
         f"GPU profile   {info.get('profile') or '-'}",
         f"smoke mode    {info['smoke']}",
     ]
