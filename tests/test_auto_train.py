@@ -74,3 +74,26 @@ def test_cli_train_plan_auto_on_your_own_factory(few_candidates, tmp_path, capsy
     assert r["plan"] in CANDIDATES and r["step"] == 2 and f"auto: {r['plan']}" in err
     assert main([*argv[:2], f"{src}:nothing", *argv[3:]]) == 2  # a name the file does not define: one line
     assert "has no function or model named 'nothing'" in capsys.readouterr().err
+
+
+def test_train_auto_on_your_data_estimates_its_batch(few_candidates, capsys):
+    """plan="auto" with data= is chosen for the data's own batch (4 x 16 here), not train's default 8 x 128."""
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": ids, "labels": ids}] * 3
+    rows = {r["plan"]: r for r in few_candidates(factory, 4, 16, None, "cpu", None, None, dict(data[0]))}
+    budget = 2 * rows["baseline"]["peak_bytes"]
+    out = train(factory, data=data, plan="auto", budget_bytes=budget, steps=2, device="cpu", progress=False)
+    assert out["plan"] == max(rows.values(), key=lambda r: r["tokens_per_s"])["plan"]  # failed before: nothing fits
+    assert out["report"]["peak_bytes"] <= budget and "batch 8 x seq 128" not in capsys.readouterr().out
+    # negative control: at the default 8 x 128 no candidate is predicted to fit that budget
+    assert all(r["peak_bytes"] > budget for r in few_candidates(factory, 8, 128, None, "cpu", None, None))
+    bad = [{**data[0], "attention_mask": torch.ones_like(ids)}]  # a key GPT.forward does not take: the real reason
+    with pytest.raises(PlanError, match=r"GPT.forward takes \(idx\)"):
+        train(factory, data=bad, plan="auto", steps=1, device="cpu", progress=False)
+
+
+def test_choose_plan_reads_batch_and_seq_from_inputs(few_candidates):
+    from colabkit import choose_plan
+    inputs = {"input_ids": ((4, 16), torch.long), "labels": ((4, 16), torch.long)}
+    r = choose_plan(factory(), inputs=inputs, gpu=None, device="cpu")  # raised before: missing 'batch' and 'seq'
+    assert {row["batch"] for row in r["rows"]} == {4} and {row["seq"] for row in r["rows"]} == {16}
