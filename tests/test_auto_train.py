@@ -97,3 +97,21 @@ def test_choose_plan_reads_batch_and_seq_from_inputs(few_candidates):
     inputs = {"input_ids": ((4, 16), torch.long), "labels": ((4, 16), torch.long)}
     r = choose_plan(factory(), inputs=inputs, gpu=None, device="cpu")  # raised before: missing 'batch' and 'seq'
     assert {row["batch"] for row in r["rows"]} == {4} and {row["seq"] for row in r["rows"]} == {16}
+
+
+def test_train_auto_resumes_with_the_plan_it_started_with(few_candidates, monkeypatch, tmp_path, capsys):
+    """A resumed plan="auto" run keeps its checkpoint's plan, even where the planner would now rank another first
+    (on a CPU the predicted speeds are measured per process; a close runner-up can overtake)."""
+    from colabkit.checkpoints import Checkpointing, list_checkpoints
+
+    kw = dict(batch=2, seq=16, device="cpu", progress=False)
+    first = train(factory, plan="auto", steps=1, checkpointing=Checkpointing(str(tmp_path), every=1, resume=True), **kw)
+    auto = sys.modules["colabkit.estimate.auto"]
+    ranked = auto.plans  # the planner now ranks the other candidate fastest
+    monkeypatch.setattr(auto, "plans", lambda *a: [{**r, "tokens_per_s": 1e9 if r["plan"] != first["plan"] else 1}
+                                                   for r in ranked(*a)])
+    assert auto.choose(factory, 2, 16, gpu=None, device="cpu")["plan"] != first["plan"]  # the flip is real
+    out = train(factory, plan="auto", steps=2, checkpointing=Checkpointing(str(tmp_path), every=1, resume=True), **kw)
+    assert out["plan"] == first["plan"] and out["resumed_from"] and out["step"] == 2  # said before: a different run
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [1, 2]
+    assert f"with its plan {first['plan']}" in capsys.readouterr().out

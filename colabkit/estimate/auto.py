@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..checkpoints import saved_plan
 from ..env import profile_for
 from ..feed import _is_corpus, feed
 from ..memory import fmt_bytes
@@ -79,6 +80,11 @@ def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
     ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
     dev = torch.device(kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
+    ck = kw.get("checkpointing")
+    folder, resume = (ck.dir, ck.resume) if ck is not None else (kw.get("checkpoint_dir"), kw.get("resume"))
+    if resume and folder and (p := saved_plan(folder)) is not None:  # a resumed run keeps the plan it started with
+        print(f"colabkit: auto: resuming {folder} with its plan {p} (chosen when the run started)")
+        return run_ranked(model, {"plan": p, "why": f"auto: {p}, resumed from {folder}", "ranked": [p]}, **kw)
     batch, seq, inputs = _first_batch(model, kw)
     choice = _choose(model, batch, seq, gpu=gpu, device=None if gpu else "cpu",
                      budget_bytes=kw.get("budget_bytes"), inputs=inputs)  # the run's budget, its first batch
