@@ -115,3 +115,46 @@ def test_train_auto_resumes_with_the_plan_it_started_with(few_candidates, monkey
     assert out["plan"] == first["plan"] and out["resumed_from"] and out["step"] == 2  # said before: a different run
     assert [s for s, _ in list_checkpoints(str(tmp_path))] == [1, 2]
     assert f"with its plan {first['plan']}" in capsys.readouterr().out
+
+
+def test_the_readme_own_loop_and_estimate_snippets_run(few_candidates, tmp_path, monkeypatch, capsys):
+    """The README's "colabkit's own loop" and "Will it fit" snippets, run as they are (fewer steps), on the names
+    they leave to the reader: a model factory, a DataLoader of examples, a model of your own, HF arguments."""
+    import os
+    import re
+
+    import colabkit
+    from colabkit.hf import training_arguments
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("**colabkit's own loop.**"):readme.index("Plans are tokens joined by")]
+    loop, fit = re.findall(r"```python\n(.*?)```", section, re.S)
+    loop = loop.replace("steps=500", "steps=2").replace("every=50", "every=1")
+    assert "steps=2" in loop and "every=1" in loop  # the README still shows the lines this test shortens
+
+    class MyNet(torch.nn.Module):  # your own model: (idx, targets) -> (logits, loss)
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = torch.nn.Embedding(256, 32), torch.nn.ModuleList([torch.nn.Linear(32, 32)])
+            self.head = torch.nn.Linear(32, 256)
+
+        def forward(self, idx, targets):
+            logits = self.head(self.blocks[0](self.emb(idx)))
+            return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    examples = [{"input_ids": row, "labels": row} for row in ids]
+    monkeypatch.chdir(tmp_path)
+    scope = {"colabkit": colabkit, "torch": torch, "make_model": factory, "MyNet": MyNet,
+             "loader": torch.utils.data.DataLoader(examples, batch_size=4, shuffle=True),
+             "model": build_model("llama:2x128"),
+             "args": training_arguments("checkpoint", output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                        report_to="none", use_cpu=True)}
+    exec(compile(loop, "README.md", "exec"), scope)
+    out = capsys.readouterr().out
+    assert re.search(r"^1 \d", out, re.M) and re.search(r"^2 \d", out, re.M)  # Watch printed step and loss
+    assert os.path.exists("ckpt") and colabkit.list_checkpoints("ckpt")[-1][0] == 2
+    for line in fit.strip().splitlines():
+        r = eval(line, scope)
+        assert r["peak_bytes"] > 0 and r["batch"] in (8, 2)
