@@ -35,16 +35,15 @@ def subcommand(name: str, help: str, add_args: Callable[[argparse.ArgumentParser
 
 
 def emit(result: Any, json_path: str | None, printer: Callable[[Any], str]) -> None:
-    if json_path is None:
-        print(printer(result))
+    if json_path is None or json_path == "-":
+        try:
+            print(printer(result) if json_path is None else json.dumps(result, indent=2, default=str), flush=True)
+        except BrokenPipeError:  # `colabkit ... | head`: the reader left early; the run itself went well
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return
-    text = json.dumps(result, indent=2, default=str)
-    if json_path == "-":
-        print(text)
-    else:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {json_path}", file=sys.stderr)
+    with open(json_path, "w") as f:
+        f.write(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {json_path}", file=sys.stderr)
 
 
 def bench_table(result: dict) -> str:
