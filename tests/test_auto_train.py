@@ -158,3 +158,21 @@ def test_the_readme_own_loop_and_estimate_snippets_run(few_candidates, tmp_path,
     for line in fit.strip().splitlines():
         r = eval(line, scope)
         assert r["peak_bytes"] > 0 and r["batch"] in (8, 2)
+
+
+def test_cli_estimate_plan_and_bench_take_your_own_factory(few_candidates, tmp_path, capsys):
+    """`estimate`, `plan` and `bench` take --model FILE.py:FN as `train` does (said before: unknown model)."""
+    src = tmp_path / "my_model.py"
+    src.write_text("from colabkit.models import build_model\n\n\ndef build():\n    return build_model('gpt:2x64')\n")
+    size = ["--batch", "2", "--seq", "16", "--device", "cpu", "--json", "-"]
+    assert main(["estimate", "--model", f"{src}:build", "--plan", "checkpoint", *size]) == 0
+    est = json.loads(capsys.readouterr().out)
+    # the reference: the same estimate asked from Python on the function itself
+    from colabkit.estimate.predict import estimate
+    assert est["peak_bytes"] == estimate(factory, "checkpoint", 2, 16, gpu=None, device="cpu")["peak_bytes"]
+    assert main(["plan", "--model", f"{src}:build", *size]) == 0
+    assert {r["plan"] for r in json.loads(capsys.readouterr().out)} == set(CANDIDATES)
+    assert main(["bench", "--model", f"{src}:build", "--plan", "baseline", "--steps", "1", *size]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["ok"]
+    assert main(["estimate", "--model", f"{src}:nothing", *size]) == 2  # one line, as train says it
+    assert "has no function or model named 'nothing'" in capsys.readouterr().err
