@@ -97,8 +97,10 @@ class Feed:
         """The batch of optimizer step ``step`` (0-based): a function of (seed, step) only."""
         epoch, pos = divmod(step, self.steps_per_epoch)
         idx = self._order(epoch)[pos * self.per_step:(pos + 1) * self.per_step]
-        if self.collate_fn is None:  # one batch dict per step
+        if self.collate_fn is None:  # one batch dict per step (nested lists of numbers, e.g. a Dataset's rows: tensors)
             b = self.items[idx[0]]
+            if isinstance(b, Mapping):
+                return {k: torch.as_tensor(v) if isinstance(v, (list, tuple)) else v for k, v in b.items()}
             return tuple(b) if isinstance(b, list) else b
         return self.collate_fn([self.items[i] for i in idx])
 

@@ -99,8 +99,14 @@ def _first_batch(model: Any, kw: dict[str, Any]) -> tuple[int, int, dict[str, to
     if data is None or _is_corpus(data):  # colabkit's text windows: batch x seq as asked
         return batch, seq, None
     b = feed(data, batch, seq, kw.get("seed", 0)).batch(0)
-    tensors = {k: v for k, v in b.items() if isinstance(v, torch.Tensor)} if isinstance(b, Mapping) else None
-    x = tensors.get("input_ids", next(iter(tensors.values()))) if tensors else torch.as_tensor(b[0])
+    try:  # a batch dict's tensors (or nested lists of numbers), or (x, y)
+        tensors = {k: torch.as_tensor(v) for k, v in b.items() if isinstance(v, (torch.Tensor, list, tuple))} \
+            if isinstance(b, Mapping) else None
+        x = tensors.get("input_ids", next(iter(tensors.values()), None)) if tensors is not None else torch.as_tensor(b[0])
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError):  # not numbers: train() itself will say so
+        return batch, seq, None
+    if x is None or x.ndim == 0:
+        return batch, seq, None
     batch, seq = x.shape[0], x.shape[1] if x.ndim == 2 else seq  # ids (B, S); images (B, C, H, W): seq unused
     return batch, seq, tensors if tensors and not isinstance(model, str) else None
 
