@@ -39,7 +39,12 @@ def is_batch(item: Any) -> bool:
 
 
 def _stack(key: str, values: list[Any]) -> torch.Tensor:
-    ts = [torch.as_tensor(v) for v in values]
+    try:
+        ts = [torch.as_tensor(v) for v in values]
+    except (TypeError, ValueError, RuntimeError) as e:  # text, None, ragged nesting: not numbers to stack
+        raise ValueError(f"data: the examples' {key!r} are not numbers ({type(values[0]).__name__}: {e}); tokenize "
+                         f"text first and drop columns the model does not take (a Hugging Face Dataset: "
+                         f"dataset.remove_columns([{key!r}])), or give a DataLoader with your collate_fn") from None
     if all(t.shape == ts[0].shape for t in ts):
         return torch.stack(ts)
     if any(t.ndim != 1 for t in ts):
