@@ -35,16 +35,15 @@ def subcommand(name: str, help: str, add_args: Callable[[argparse.ArgumentParser
 
 
 def emit(result: Any, json_path: str | None, printer: Callable[[Any], str]) -> None:
-    if json_path is None:
-        print(printer(result))
+    if json_path is None or json_path == "-":
+        try:
+            print(printer(result) if json_path is None else json.dumps(result, indent=2, default=str), flush=True)
+        except BrokenPipeError:  # `colabkit ... | head`: the reader left early; the run itself went well
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return
-    text = json.dumps(result, indent=2, default=str)
-    if json_path == "-":
-        print(text)
-    else:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {json_path}", file=sys.stderr)
+    with open(json_path, "w") as f:
+        f.write(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {json_path}", file=sys.stderr)
 
 
 def bench_table(result: dict) -> str:
@@ -64,7 +63,7 @@ def bench_table(result: dict) -> str:
 def _run_args(p: argparse.ArgumentParser, steps: int) -> None:
     """The arguments ``bench`` and ``train`` share (``--plan`` differs: several for bench, one for train)."""
     p.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, gpt2-124m, ...), gpt:LxD, llama:LxD or hf:<id>; "
-                   "train also takes your own: FILE.py:FN or package.module:FN (a function building it)")
+                   "or your own: FILE.py:FN or package.module:FN (a function building it)")
     p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the effective batch; default %(default)s)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence, at most the model's context (default %(default)s)")
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
@@ -272,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with quiet, _quiet_libraries():
             check_device(getattr(args, "device", None))
+            if args.command in ("estimate", "plan", "bench") and getattr(args, "world_size", 1) == 1:
+                args.model = model_arg(args.model)  # FILE.py:FN / package.module:FN: your own model, as train takes it
             result = run(args)
     except (PlanError, ValueError, ImportError, OSError) as e:  # a user mistake: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

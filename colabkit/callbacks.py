@@ -68,6 +68,11 @@ def as_callback(obj: Any) -> Any:
     >>> type(as_callback(print)).__name__
     'FunctionCallback'
     """
+    if any(c.__name__ == "TrainerCallback" and c.__module__.startswith("transformers") for c in type(obj).__mro__):
+        raise TypeError(f"callbacks=[...]: a {type(obj).__name__} is a transformers.TrainerCallback (its events take "
+                        "args, state, control): give it to transformers.Trainer(callbacks=...). colabkit.train's "
+                        "events take the Run: subclass colabkit.Callback (e.g. on_step_end(self, run, event)); "
+                        "train() tracks memory itself (its result's 'report')")
     if any(callable(getattr(obj, name, None)) for name in EVENTS):
         return obj
     if callable(obj):

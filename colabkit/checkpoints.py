@@ -331,6 +331,23 @@ def _model_config(model: torch.nn.Module) -> Any:
             if isinstance(v, (int, float, str, bool, type(None)))}
 
 
+def saved_plan(directory: str) -> str | None:
+    """The plan of the newest checkpoint in ``directory`` whose manifest reads, from the manifest alone (no
+    tensor is read); ``None`` when there is none. ``plan="auto"`` resumes with it: a run keeps its plan."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            with open(path, "rb") as f:
+                f.seek(-(8 + len(MAGIC)), os.SEEK_END)
+                n = struct.unpack("<Q", f.read(8))[0]
+                f.seek(-(8 + len(MAGIC) + n), os.SEEK_END)
+                state = dict(json.loads(f.read(n))["state"]["__d__"])
+            ident = _unflatten(state["identity"], [])  # plain values only: model, config, plan, data settings
+            return ident["plan"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, CheckpointError):
+            continue  # damaged: the previous one (as resuming does)
+    return None
+
+
 def identity(trainer: Any, run: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint: model, plan, data settings."""
     return {"model": trainer.ctx.model_name or type(trainer.model).__name__, "config": _model_config(trainer.model),

@@ -39,7 +39,12 @@ def is_batch(item: Any) -> bool:
 
 
 def _stack(key: str, values: list[Any]) -> torch.Tensor:
-    ts = [torch.as_tensor(v) for v in values]
+    try:
+        ts = [torch.as_tensor(v) for v in values]
+    except (TypeError, ValueError, RuntimeError) as e:  # text, None, ragged nesting: not numbers to stack
+        raise ValueError(f"data: the examples' {key!r} are not numbers ({type(values[0]).__name__}: {e}); tokenize "
+                         f"text first and drop columns the model does not take (a Hugging Face Dataset: "
+                         f"dataset.remove_columns([{key!r}])), or give a DataLoader with your collate_fn") from None
     if all(t.shape == ts[0].shape for t in ts):
         return torch.stack(ts)
     if any(t.ndim != 1 for t in ts):
@@ -97,8 +102,10 @@ class Feed:
         """The batch of optimizer step ``step`` (0-based): a function of (seed, step) only."""
         epoch, pos = divmod(step, self.steps_per_epoch)
         idx = self._order(epoch)[pos * self.per_step:(pos + 1) * self.per_step]
-        if self.collate_fn is None:  # one batch dict per step
+        if self.collate_fn is None:  # one batch dict per step (nested lists of numbers, e.g. a Dataset's rows: tensors)
             b = self.items[idx[0]]
+            if isinstance(b, Mapping):
+                return {k: torch.as_tensor(v) if isinstance(v, (list, tuple)) else v for k, v in b.items()}
             return tuple(b) if isinstance(b, list) else b
         return self.collate_fn([self.items[i] for i in idx])
 

@@ -347,6 +347,11 @@ def measure(
         check_sizes(batch, seq, steps)
         if isinstance(model_fn, str):
             check_context(model_fn, seq)
+        if isinstance(model_fn, torch.nn.Module):  # it would be called as a factory: forward() with no batch
+            raise ValueError(f"measure takes a model name or a function that builds the model, not a built "
+                             f"{type(model_fn).__name__}: it builds it under the tracker (so its weights are counted, "
+                             f"each plan on fresh weights), e.g. measure(lambda: MyModel(), plan); "
+                             f"colabkit.estimate takes the built model")
     except ValueError as e:
         record["error"] = f"ValueError: {e}"
         return record

@@ -189,3 +189,23 @@ def test_train_is_at_most_60_lines():
 
 def test_callbacks_are_public():
     assert colabkit.Callback is Callback and colabkit.Checkpointing is Checkpointing
+
+
+def test_a_transformers_callback_is_refused_with_where_it_belongs():
+    """A transformers.TrainerCallback (args, state, control) given to colabkit.train: said at once, not a
+    TypeError about 'state' and 'control' from inside the loop."""
+    import transformers
+
+    class Steps(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw): ...
+
+    for cb in (Steps(), colabkit.MemoryCallback()):
+        with pytest.raises(TypeError, match=r"is a transformers.TrainerCallback .* transformers.Trainer\(callbacks="):
+            train("gpt:2x64", callbacks=[cb], **{**KW, "steps": 1})
+
+    class Mine(Callback):  # negative control: colabkit's own Callback with the same method name runs
+        def __init__(self): self.steps = []
+        def on_step_end(self, run, event): self.steps.append(event["step"])
+    mine = Mine()
+    train("gpt:2x64", callbacks=[mine], **{**KW, "steps": 1})
+    assert mine.steps == [1]

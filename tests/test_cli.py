@@ -365,3 +365,15 @@ def test_contributing_is_self_contained():
         dev = tomllib.load(f)["project"]["optional-dependencies"]["dev"]
     for tool in re.findall(r"`(nbstripout|ruff|black|flake8|mypy)\b", text):  # every tool it names is installed
         assert any(d.startswith(tool) for d in dev), tool
+
+
+def test_json_to_a_reader_that_left_is_not_a_traceback():
+    """`colabkit ... --json - | head`: the reader closed the pipe before the JSON was written; the command says
+    nothing on stderr and exits 0 (was: BrokenPipeError traceback). Negative control: stdout read, same JSON."""
+    p = _cli("env", "--json", "-")
+    p.stdout.close()  # the reader is gone before anything is written
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+    p = _cli("env", "--json", "-")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "platform" in json.loads(out)

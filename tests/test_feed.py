@@ -149,3 +149,25 @@ def test_bad_data_is_refused_with_what_to_do():
             train("gpt:2x64", data=data, steps=1, batch=2, **KW)
     with pytest.raises(ValueError, match="eval_every"):
         train("gpt:2x64", data=batch_dicts(), steps=1, eval_every=1, **KW)
+
+
+def test_batch_dicts_of_lists_train_as_their_tensors():
+    """Batch dicts holding nested lists (a pre-batched Hugging Face Dataset's rows, JSON) are batches of tensors:
+    the same weights as the same batches given as tensors (was: StopIteration in the OOM guard's batch size)."""
+    kw = dict(steps=2, seed=1, device="cpu", progress=False, track=False)
+    as_lists = [{k: v.tolist() for k, v in b.items()} for b in batch_dicts()]
+    got = train(lambda: build_model("gpt:2x64"), data=as_lists, **kw)  # built after train seeds
+    want = train(lambda: build_model("gpt:2x64"), data=batch_dicts(), **kw)
+    assert got["weights_sha256"] == want["weights_sha256"] and got["micro_batch"] == 4
+    other = train(lambda: build_model("gpt:2x64"), data=batch_dicts()[::-1], **kw)  # negative control: other batches differ
+    assert other["weights_sha256"] != want["weights_sha256"]
+
+
+def test_a_text_column_is_refused_saying_to_tokenize_or_drop_it():
+    """Examples with a column of strings (a tokenized Hugging Face Dataset still holding 'text'): colabkit's error
+    naming the column and what to do (was torch's "new(): invalid data type 'str'")."""
+    rows = [{"text": "a b", **Examples()[i]} for i in range(4)]
+    with pytest.raises(ValueError, match=r"the examples' 'text' are not numbers .*remove_columns\(\['text'\]\)"):
+        train("gpt:2x64", data=rows, steps=1, batch=2, **KW)
+    out = train("gpt:2x64", data=[{k: v for k, v in r.items() if k != "text"} for r in rows], steps=1, batch=2, **KW)
+    assert out["step"] == 1  # negative control: without the column it trains

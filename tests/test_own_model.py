@@ -287,3 +287,14 @@ def test_estimate_takes_a_config_and_training_arguments(tmp_path):
     args8 = transformers.TrainingArguments(output_dir=str(tmp_path), optim="adamw_bnb_8bit", report_to=[], use_cpu=True)
     with pytest.raises(PlanError, match="overlap"):
         estimate(cfg, "lion", args=args8, inputs=one, device="cpu")
+
+
+def test_measure_of_a_built_model_says_to_pass_a_factory():
+    """measure() builds the model under the tracker: a built module (which it would call as a factory, forward()
+    with no batch: a raw TypeError, or transformers' "exactly one of input_ids") is refused in the record."""
+    from colabkit import build_model, measure
+
+    r = measure(build_model("gpt:2x64"), "baseline", batch=2, seq=16, steps=1, device="cpu")
+    assert not r["ok"] and "a function that builds the model, not a built GPT" in r["error"]
+    ok = measure(lambda: build_model("gpt:2x64"), "baseline", batch=2, seq=16, steps=1, device="cpu")
+    assert ok["ok"] and ok["peak_bytes"] > 0  # negative control: the factory form is measured

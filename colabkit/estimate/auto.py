@@ -12,31 +12,39 @@ that shrinking cannot cure, the next plan.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import torch
 
+from ..checkpoints import saved_plan
 from ..env import profile_for
+from ..feed import _is_corpus, feed
 from ..memory import fmt_bytes
 from ..oom import is_oom
 from ..plan import PlanError
 from ..train import register_auto, train
 from ..trainer import register_auto_plan
-from .inputs import module_factory
+from .inputs import batch_shape, module_factory
 from .planner import plans
 
 
-def choose(model: Any, batch: int, seq: int, gpu: str | None = "t4", device: str | None = None,
+def choose(model: Any, batch: int = 8, seq: int = 128, gpu: str | None = "t4", device: str | None = None,
            candidates: Iterable[str] | None = None, budget_bytes: int | None = None,
            inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fastest predicted plan that fits: ``{"plan", "why", "ranked", "rows"}`` (``ranked``: the plans
     that fit, fastest first -- the order :func:`train_auto` falls back through). ``model``: a name, a
     function that builds it, or the built module (estimated on a copy of its shapes); ``inputs``: its batch
-    described as :func:`~colabkit.estimate.estimate` takes it."""
+    described as :func:`~colabkit.estimate.estimate` takes it (``batch`` and ``seq`` are then read from it)."""
+    if inputs is not None:
+        batch, seq = batch_shape(inputs)
     if isinstance(model, torch.nn.Module):  # one shapes-only copy per estimate, never the weights
         model = module_factory(model)
-    rows = [r for r in plans(model, batch, seq, gpu, device, candidates, budget_bytes, inputs) if not r.get("error")]
+    every = plans(model, batch, seq, gpu, device, candidates, budget_bytes, inputs)
+    rows = [r for r in every if not r.get("error")]
     ok = [r for r in rows if r.get("verdict", "fits" if r["fits"] else "") == "fits"] or [r for r in rows if r["fits"]]
+    if every and not rows:  # nothing could be estimated (e.g. a batch key the model does not take): say why
+        raise PlanError(f"plan='auto' could not estimate any plan: {every[0]['error']}")
     if not ok:
         raise PlanError(f"plan='auto': no candidate plan is predicted to fit {getattr(model, '__name__', model)} at "
                         f"batch {batch} x seq {seq} "
@@ -72,10 +80,35 @@ def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
     ``on_oom="shrink"``; an out-of-memory that remains moves on to the next plan."""
     dev = torch.device(kw.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = (profile_for(torch.cuda.get_device_name(dev)) or "t4") if dev.type == "cuda" else None
-    choice = _choose(model, kw.get("batch", 8), kw.get("seq", 128), gpu=gpu, device=None if gpu else "cpu",
-                     budget_bytes=kw.get("budget_bytes"))  # the run's budget
+    ck = kw.get("checkpointing")
+    folder, resume = (ck.dir, ck.resume) if ck is not None else (kw.get("checkpoint_dir"), kw.get("resume"))
+    if resume and folder and (p := saved_plan(folder)) is not None:  # a resumed run keeps the plan it started with
+        print(f"colabkit: auto: resuming {folder} with its plan {p} (chosen when the run started)")
+        return run_ranked(model, {"plan": p, "why": f"auto: {p}, resumed from {folder}", "ranked": [p]}, **kw)
+    batch, seq, inputs = _first_batch(model, kw)
+    choice = _choose(model, batch, seq, gpu=gpu, device=None if gpu else "cpu",
+                     budget_bytes=kw.get("budget_bytes"), inputs=inputs)  # the run's budget, its first batch
     print(f"colabkit: {choice['why']}")
     return run_ranked(model, choice, **kw)
+
+
+def _first_batch(model: Any, kw: dict[str, Any]) -> tuple[int, int, dict[str, torch.Tensor] | None]:
+    """The (batch, seq) the run will step on, and for your own data its first batch as ``inputs=`` (a function
+    or a module is called with the batch's keys; a name builds its own ids from (batch, seq))."""
+    batch, seq, data = kw.get("batch", 8), kw.get("seq", 128), kw.get("data")
+    if data is None or _is_corpus(data):  # colabkit's text windows: batch x seq as asked
+        return batch, seq, None
+    b = feed(data, batch, seq, kw.get("seed", 0)).batch(0)
+    try:  # a batch dict's tensors (or nested lists of numbers), or (x, y)
+        tensors = {k: torch.as_tensor(v) for k, v in b.items() if isinstance(v, (torch.Tensor, list, tuple))} \
+            if isinstance(b, Mapping) else None
+        x = tensors.get("input_ids", next(iter(tensors.values()), None)) if tensors is not None else torch.as_tensor(b[0])
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError):  # not numbers: train() itself will say so
+        return batch, seq, None
+    if x is None or x.ndim == 0:
+        return batch, seq, None
+    batch, seq = x.shape[0], x.shape[1] if x.ndim == 2 else seq  # ids (B, S); images (B, C, H, W): seq unused
+    return batch, seq, tensors if tensors and not isinstance(model, str) else None
 
 
 def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:

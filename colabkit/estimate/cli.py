@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from ..memory import CATEGORIES, fmt_bytes
 from .auto import choose
@@ -74,13 +75,13 @@ def _largest_table(r: dict) -> str:
         "inside the overheads' uncertainty. A prediction, nothing allocated."])
 
 
-def _check_seq(model: str, seq: int) -> None:
+def _check_seq(model: Any, seq: int) -> None:
     """A sequence longer than the model's context is refused here as in ``train`` (presets and hub models)."""
     from ..models import hub_config
     from ..train import check_context
 
     check_context(model, seq)
-    if model.startswith("hf:"):
+    if isinstance(model, str) and model.startswith("hf:"):  # (your own FILE.py:FN model: its own checks)
         cfg = hub_config(model[3:])
         n = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), None)
         if n is not None and seq > n:
@@ -122,7 +123,7 @@ def _what_fits(plan: str, seq: int, batch: int, gpu: str | None, device: str | N
 
 def _args(p, plan=True, model=True) -> None:
     if model:
-        p.add_argument("--model", default="gpt2-124m", help="preset, gpt:LxD, llama:LxD or hf:<id> (default gpt2-124m)")
+        p.add_argument("--model", default="gpt2-124m", help="preset, gpt:LxD, llama:LxD, hf:<id> or your own model as FILE.py:FN (default gpt2-124m)")
     if plan:
         p.add_argument("--plan", default="baseline", help="one plan: tokens joined by '+', or auto: the fastest predicted to fit (default baseline)")
     p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
