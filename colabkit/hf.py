@@ -449,7 +449,11 @@ class MemoryCallback:
     def _after_forward(self, module, args, output):
         if module.training and torch.is_grad_enabled() and self._verify is not None:
             self._verify = None
-            check_ran(module)  # before any backward or optimizer step: the run stops with the reason
+            try:
+                check_ran(module)  # before any backward or optimizer step: the run stops with the reason
+            except PlanError:
+                self.close()  # the tracker's dispatch mode and hooks end with the run, not in the next cell
+                raise
         if module.training and torch.is_grad_enabled():
             self._switch("backward")  # the loss is computed inside transformers' forward; backward follows
 
