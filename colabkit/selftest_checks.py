@@ -272,6 +272,7 @@ def check_hf_qlora(dev: torch.device, size: dict) -> dict:
                                   use_cpu=dev.type != "cuda", seed=0, logging_steps=1)
         hft = transformers.Trainer(model=model, args=args, train_dataset=rows,
                                    data_collator=lambda rs: {k: torch.stack([r[k] for r in rs]) for k in rs[0]})
+        hft.remove_callback(transformers.PrinterCallback)  # the report says what ran; no log dicts printed
         hft.train()
     got = [p.detach().float().cpu() for p in model.parameters() if p.requires_grad]
     du = _rel(got, [p.detach().float().cpu() for p in trainable], start)
