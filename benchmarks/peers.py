@@ -44,7 +44,8 @@ SIZES = {
     # the tracker at gpt:8x256 batch 8 x seq 128, the estimator on gpt2-350m / gpt2-124m at seq 1024
     "full": dict(opt_model="gpt:8x512:v8192", opt_seq=128, tracker_model="gpt:8x256", batch=8, seq=128,
                  warmup=2, repeats=7, est_model="gpt2-124m", est_seq=1024, est_repeats=5,
-                 cli=[("plan", ["plan", "--model", "gpt2-350m", "--batch", "4", "--seq", "1024", "--gpu", "t4"]),
+                 cli=[("env", ["env"]),  # the floor every command pays: interpreter, torch and colabkit imported
+                      ("plan", ["plan", "--model", "gpt2-350m", "--batch", "4", "--seq", "1024", "--gpu", "t4"]),
                       ("largest", ["largest", "--plan", "checkpoint+adamw8bit+fused-step", "--gpu", "t4"])]),
     "quick": dict(opt_model="gpt:2x64", opt_seq=32, skip=("torchao AdamW4bit",), tracker_model="gpt:2x64", batch=2, seq=32,
                   warmup=1, repeats=2, est_model="gpt:2x64", est_seq=32, est_repeats=2,
@@ -302,6 +303,7 @@ def markdown(data: dict) -> str:
     v = data["versions"]
     lines = [f"colabkit against its peers — {data['device']}, {data['date']}; "
              + ", ".join(f"{k} {x}" for k, x in v.items() if x) + f"; python {data['python']}"
+             + (f"; load average {data['load_avg_1m']:.1f} at start" if data.get("load_avg_1m") is not None else "")
              + (" — **quick mode (tiny sizes): not the issue's figures**" if data["quick"] else ""), "",
              "Process CPU time, one thread, untracked, warmed up; median (min–max) of interleaved rounds; "
              "ratio = median of per-round ratios (> 1: colabkit slower).", "",
@@ -340,6 +342,8 @@ def run(quick: bool = False, only: set[str] | None = None) -> dict:
     cfg = SIZES["quick" if quick else "full"]
     data = {"device": device(), "versions": versions(), "python": platform.python_version(), "quick": quick,
             "date": datetime.date.today().isoformat(), "sizes": {k: v for k, v in cfg.items() if k != "cli"},
+            # a shared machine's other work slows CPU time too (caches, SMT siblings): the figures' context
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "rows": []}
     print(f"{data['device']}; " + ", ".join(f"{k} {x}" for k, x in data["versions"].items()), file=sys.stderr)
     steps = [("cli", lambda: cli_rows(cfg)), ("estimate", lambda: [estimate_row(cfg)]),

@@ -278,13 +278,30 @@ def env() -> dict[str, Any]:
             vram_free_bytes=free,
         )
         info["profile"] = profile_for(info["gpu"], info["gpu_count"], info["platform"])
+    info["bitsandbytes"] = _bnb_version()
+    return info
+
+
+_BNB_VERSION: list[str] = []  # bitsandbytes' version once found: env() runs per estimate (~2 ms a lookup)
+
+
+def _bnb_version() -> str | None:
+    """bitsandbytes' installed version without importing it (its import is slow and chatty); None if absent.
+    A found version is kept for the process (a plan's 30 estimates looked it up ~100 times); an absence is
+    looked up again, so a ``pip install bitsandbytes`` made after it is seen.
+
+    >>> _bnb_version() is None or isinstance(_bnb_version(), str)
+    True
+    """
+    if _BNB_VERSION:
+        return _BNB_VERSION[0]
     from importlib.metadata import PackageNotFoundError, version
 
-    try:  # the version without importing it (its import is slow and chatty)
-        info["bitsandbytes"] = version("bitsandbytes")
+    try:
+        _BNB_VERSION.append(version("bitsandbytes"))
     except PackageNotFoundError:
-        info["bitsandbytes"] = None
-    return info
+        return None
+    return _BNB_VERSION[0]
 
 
 _LIBC: Any = None

@@ -47,6 +47,31 @@ def test_env_report_and_smoke(monkeypatch):
         assert "No GPU attached" in colabkit.format_env(info)
 
 
+def test_env_looks_bitsandbytes_up_once_found_and_again_while_absent(monkeypatch):
+    """env() runs per estimate (a plan: ~100 calls); the installed bitsandbytes' version is kept once found,
+    an absence is looked up again (a pip install afterwards is seen). Reference: importlib.metadata's answer."""
+    import importlib.metadata as md
+
+    env_mod = importlib.import_module("colabkit.env")  # the module (colabkit.env is also the function)
+
+    calls = []
+    installed = [None]
+
+    def version(name):
+        calls.append(name)
+        if installed[0] is None:
+            raise md.PackageNotFoundError(name)
+        return installed[0]
+
+    monkeypatch.setattr(md, "version", version)
+    monkeypatch.setattr(env_mod, "_BNB_VERSION", [])
+    assert colabkit.env()["bitsandbytes"] is None and colabkit.env()["bitsandbytes"] is None
+    assert calls == ["bitsandbytes"] * 2  # absent: asked each time
+    installed[0] = "0.50.2"
+    assert [colabkit.env()["bitsandbytes"] for _ in range(3)] == ["0.50.2"] * 3
+    assert calls == ["bitsandbytes"] * 3  # found once, then kept
+
+
 def test_emulate_t4_refuses_bf16_and_flash():
     try:
         info = colabkit.emulate_t4()
