@@ -20,6 +20,7 @@ trl = pytest.importorskip("trl") if importlib.util.find_spec("trl") else None
 
 from colabkit import PlanError, build_model  # noqa: E402
 from colabkit import hf  # noqa: E402
+from tests.test_hf_trainer import _state_bytes  # noqa: E402  (the optimizer's own account of its state)
 
 S, V, B, STEPS = 64, 256, 4, 2
 KINDS = ["hf", "trl"]
@@ -114,17 +115,6 @@ def baselines(tmp_path_factory, data):
             cache[kind] = run(kind, "baseline", data, tmp_path_factory.mktemp(f"base-{kind}"))
         return cache[kind]
     return get
-
-
-def _state_bytes(optimizer) -> int:
-    """Bytes of every tensor in an optimizer's state, each storage once (the optimizer's own account)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    seen = {}
-    for s in inner.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor):
-                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def _attention_probs_bytes(r: Run) -> int:

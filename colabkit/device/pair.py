@@ -185,20 +185,10 @@ class DevicePair:
         finally:
             del self.side
 
-    @contextlib.contextmanager
-    def sync_debug(self, mode: str = "error") -> Iterator[None]:
+    def sync_debug(self, mode: str = "error") -> contextlib.AbstractContextManager:
         """A path that promises no device sync, checked: ``torch.cuda.set_sync_debug_mode(mode)`` for the
         block on CUDA ("error": a synchronizing call raises); the twin's own sync counter on a CPU."""
-        if not self.cuda:
-            with self.rt.sync_debug(mode):
-                yield
-            return
-        before = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(mode)
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
+        return CudaRuntime.sync_debug(self.rt, mode) if self.cuda else self.rt.sync_debug(mode)
 
     def release_host_cache(self) -> None:
         """Give cached pinned blocks that nothing holds back to the OS."""
