@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's colabkit, also when run as a script
 
 import colabkit  # noqa: E402
+from colabkit.estimate.trace_cache import ENV as TRACE_ENV  # noqa: E402
 from colabkit.memory import MemoryTracker, _storages, optimizer_tensors  # noqa: E402
 from colabkit.models import build_meta, build_model, count_params  # noqa: E402
 from colabkit.plan import param_groups  # noqa: E402
@@ -39,14 +40,20 @@ from colabkit.techniques.disk_offload import DiskAdamW  # noqa: E402
 from colabkit.techniques.optimizers import make_optimizer  # noqa: E402
 from colabkit.timing import Timing, interleaved, ratio  # noqa: E402
 
+PLAN_ARGS = ["plan", "--model", "gpt2-350m", "--batch", "4", "--seq", "1024", "--gpu", "t4"]
+# Each CLI row runs with the trace cache "off" (every trace run) or "warm" (a folder of its own, filled by the
+# warm-up run); a row with no mode runs with it off.
+CACHE_LABEL = {"off": "trace cache off", "warm": "trace cache warm (the warm-up run's traces)"}
 SIZES = {
     # the issue's table: optimizers at ~30M parameters (gpt:8x512 with an 8192 vocabulary: 29.9M, real shapes),
     # the tracker at gpt:8x256 batch 8 x seq 128, the estimator on gpt2-350m / gpt2-124m at seq 1024
     "full": dict(opt_model="gpt:8x512:v8192", opt_seq=128, tracker_model="gpt:8x256", batch=8, seq=128,
                  warmup=2, repeats=7, est_model="gpt2-124m", est_seq=1024, est_repeats=5,
                  cli=[("env", ["env"]),  # the floor every command pays: interpreter, torch and colabkit imported
-                      ("plan", ["plan", "--model", "gpt2-350m", "--batch", "4", "--seq", "1024", "--gpu", "t4"]),
-                      ("largest", ["largest", "--plan", "checkpoint+adamw8bit+fused-step", "--gpu", "t4"])]),
+                      # plan twice: every trace run (the first question about a model), and answered from the
+                      # traces the warm-up run stored (colabkit.estimate.trace_cache: the same question again)
+                      ("plan", PLAN_ARGS, "off"), ("plan", PLAN_ARGS, "warm"),
+                      ("largest", ["largest", "--plan", "checkpoint+adamw8bit+fused-step", "--gpu", "t4"], "off")]),
     "quick": dict(opt_model="gpt:2x64", opt_seq=32, skip=("torchao AdamW4bit",), tracker_model="gpt:2x64", batch=2, seq=32,
                   warmup=1, repeats=2, est_model="gpt:2x64", est_seq=32, est_repeats=2,
                   cli_repeats=1, cli=[("estimate", ["estimate", "--model", "gpt:2x64", "--batch", "1", "--seq", "32", "--gpu", "t4"])]),
@@ -275,7 +282,10 @@ def cli_rows(cfg: dict) -> list[dict]:
     # PYTHONDONTWRITEBYTECODE would make every run recompile colabkit's sources, which no user pays
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for name, args in cfg["cli"]:
+    for name, args, *mode in cfg["cli"]:
+        cache = (mode or ["off"])[0]
+        folder = tempfile.TemporaryDirectory(prefix="colabkit-traces-")
+        env[TRACE_ENV] = "off" if cache == "off" else folder.name
         cpus = []
         for _ in range(1 + cfg.get("cli_repeats", 3)):  # the first run warms the caches (bytecode, page cache)
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -284,7 +294,9 @@ def cli_rows(cfg: dict) -> list[dict]:
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpus.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         cpus = cpus[1:]
-        rows.append({"kind": "cli", "what": "colabkit " + " ".join(args), "peer": None, "exit_code": proc.returncode,
+        folder.cleanup()
+        rows.append({"kind": "cli", "what": "colabkit " + " ".join(args), "cache": cache, "peer": None,
+                     "exit_code": proc.returncode,
                      "timings": {"colabkit": {"median_s": statistics.median(cpus), "low_s": min(cpus),
                                               "high_s": max(cpus), "samples_s": cpus,
                                               "clock": "cpu process time (subprocess)"}},
@@ -313,7 +325,8 @@ def markdown(data: dict) -> str:
         t = r["timings"]
         if r["kind"] == "cli":
             ok = "" if r["exit_code"] == 0 else f" (exit {r['exit_code']})"
-            lines.append(f"| `{r['what']}` | {_ms(t['colabkit'])}{ok} | subprocess CPU time (user + sys), median of "
+            lines.append(f"| `{r['what']}`, {CACHE_LABEL[r.get('cache', 'off')]} | {_ms(t['colabkit'])}{ok} | "
+                         "subprocess CPU time (user + sys), median of "
                          f"{len(t['colabkit']['samples_s'])} runs after a warm-up run, bytecode cached | | | |")
             continue
         ours = r["what"] if r["kind"] == "optimizer" else ("offload:disk" if r["kind"] == "disk" else

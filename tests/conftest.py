@@ -21,6 +21,8 @@ os.environ["TMPDIR"] = tempfile.tempdir = _TMP
 os.environ.setdefault("COLABKIT_STRICT_COLLECTIVES", "1")
 # estimates must not depend on a calibration profile stored on this machine (python -m colabkit calibrate)
 os.environ["COLABKIT_PROFILE_DIR"] = os.path.join(_TMP, "profiles")
+# every estimate traces (the tests count traces and patch the tracer): no traces kept on disk between processes
+os.environ["COLABKIT_TRACE_CACHE"] = "off"
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -29,7 +29,7 @@ from ..techniques import lora as _lora
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..trainer import Trainer
-from . import replay as _replay, zero as _zero
+from . import replay as _replay, trace_cache as _disk, zero as _zero
 from .as_gpu import _attention_as, check_as_gpu  # noqa: F401 (check_as_gpu: its old home, re-exported)
 from .counting import affine as counting_affine, compute_plan, counting
 from .inputs import fake_batch
@@ -334,7 +334,7 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
            _lora.compute_dtype is not _REAL_COMPUTE_DTYPE, _STREAM_BLOCK_GRADS[0], _zero._HALF_GATHER[0])
-    hit = _CACHE.get(key)
+    hit = _CACHE.get(key) or _disk.load(key)
     if hit is None:
         extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
                        and "offload:params" not in plan and "offload:activations" not in plan)
@@ -349,10 +349,12 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
             t = _from_base(model_fn, plan, key, steps, alloc_round, profile, own)
             if t is None:
                 t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
-        hit = _CACHE[key] = (t, own)
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        hit = (t, own)
+        _disk.store(key, hit)
+    _CACHE[key] = hit
     _CACHE.move_to_end(key)
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
     notes.extend(hit[1])
     return copy.deepcopy(hit[0])
 
@@ -376,12 +378,14 @@ def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, p
         return None
     base_plan = Plan.parse([t for t in plan.tokens if REGISTRY[t.partition(":")[0]].group != "optimizer"] or "baseline")
     bkey = (key[0], "base:" + str(base_plan), *key[2:])
-    hit = _CACHE.get(bkey)
+    hit = _CACHE.get(bkey) or _disk.load(bkey)
     if hit is None:
         own: list[str] = []
         # traced with this plan's own Trainer (its optimizer is never stepped): the same model and step
         b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, profile, own, base=True)
-        hit = _CACHE[bkey] = (b, own)
+        hit = (b, own)
+        _disk.store(bkey, hit)
+    _CACHE[bkey] = hit
     _CACHE.move_to_end(bkey)
     t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)
     if t is not None:
