@@ -129,3 +129,27 @@ def test_clear_and_old_stamps_pruned(tmp_path, monkeypatch):
     assert kept == [f"v{i}" for i in range(2, cache.KEEP_STAMPS + 2)]
     assert cache.clear() == len(kept)
     assert not tmp_path.exists()
+
+
+def test_an_hf_folder_is_not_kept_on_disk(on_disk, tmp_path, monkeypatch):
+    """hf:<folder> names a config file that can change under the same name: cached per process only, so an
+    edited config.json is estimated afresh (control: the GPT preset beside it is stored)."""
+    import json
+
+    folder, _ = on_disk
+    model = tmp_path / "my-model"
+    model.mkdir()
+
+    def write(n_embd):
+        (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                       "n_layer": 2, "n_head": 2, "n_embd": n_embd,
+                                                       "vocab_size": 128, "n_positions": 64}))
+
+    write(32)
+    small = estimate(f"hf:{model}", "baseline", batch=1, seq=16, gpu=None, device="cpu")["peak_bytes"]
+    assert not list(folder.rglob("*.pkl"))
+    write(64)
+    _new_process(monkeypatch)
+    assert estimate(f"hf:{model}", "baseline", batch=1, seq=16, gpu=None, device="cpu")["peak_bytes"] > small
+    estimate("gpt-tiny", "baseline", batch=1, seq=16, gpu=None, device="cpu")
+    assert list(folder.rglob("*.pkl"))

@@ -334,7 +334,9 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
            _lora.compute_dtype is not _REAL_COMPUTE_DTYPE, _STREAM_BLOCK_GRADS[0], _zero._HALF_GATHER[0])
-    hit = _CACHE.get(key) or _disk.load(key)
+    # on disk too for GPTs (the key names the whole model); not for hf: ids, whose config files may change
+    disk = cfg is not None
+    hit = _CACHE.get(key) or (_disk.load(key) if disk else None)
     if hit is None:
         extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
                        and "offload:params" not in plan and "offload:activations" not in plan)
@@ -350,7 +352,8 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
             if t is None:
                 t = trace(model_fn, plan, batch, seq, steps, alloc_round, profile, own)
         hit = (t, own)
-        _disk.store(key, hit)
+        if disk:
+            _disk.store(key, hit)
     _CACHE[key] = hit
     _CACHE.move_to_end(key)
     while len(_CACHE) > CACHE_SIZE:
@@ -378,13 +381,15 @@ def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, p
         return None
     base_plan = Plan.parse([t for t in plan.tokens if REGISTRY[t.partition(":")[0]].group != "optimizer"] or "baseline")
     bkey = (key[0], "base:" + str(base_plan), *key[2:])
-    hit = _CACHE.get(bkey) or _disk.load(bkey)
+    disk = _gpt_of(model_fn, key[3]) is not None  # as in _traced
+    hit = _CACHE.get(bkey) or (_disk.load(bkey) if disk else None)
     if hit is None:
         own: list[str] = []
         # traced with this plan's own Trainer (its optimizer is never stepped): the same model and step
         b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, profile, own, base=True)
         hit = (b, own)
-        _disk.store(bkey, hit)
+        if disk:
+            _disk.store(bkey, hit)
     _CACHE[bkey] = hit
     _CACHE.move_to_end(bkey)
     t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)

@@ -7,8 +7,10 @@ own import. :mod:`.trace` keeps each distinct trace once per process; this modul
 under the same keys, in a folder: ``$COLABKIT_TRACE_CACHE``, or ``~/.cache/colabkit/traces``; set it to
 ``off`` to trace every time (the test suite does; ``full_trace()`` never reads it).
 
-Every entry lives under a *stamp*: a hash of what could change a trace without changing its key --
-colabkit's own source files, the versions of torch, transformers and Python, and the CPU capability torch
+Only GPT-family models are stored (a preset or ``gpt:LxD`` name, a :func:`~.trace.gpt_builder`: the key
+names the whole model); ``hf:`` ids and folders, whose config files can change under the same name, are
+cached per process only. Every entry lives under a *stamp*: a hash of what could change a trace without
+changing its key -- colabkit's own source files and shipped configs, the versions of torch, transformers and Python, and the CPU capability torch
 dispatches to. Edit colabkit, upgrade torch, and the old entries are simply not found (the oldest stamps
 beyond :data:`KEEP_STAMPS` are removed). Entries are pickles written atomically by this user's own runs,
 read back only from this user's cache folder (the trust model of torch's own compile caches); an entry
@@ -66,7 +68,7 @@ def stamp() -> str:
     """What a trace depends on beyond its key, hashed: colabkit's source, torch/transformers/Python versions,
     the CPU capability (a few ms, once per process)."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in (".py", ".json")):  # code, shipped configs
         h.update(str(path.relative_to(_PACKAGE)).encode())
         h.update(path.read_bytes())
     h.update(f"{torch.__version__}|{_version('transformers')}|{platform.python_version()}|"
