@@ -33,6 +33,42 @@ _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
 # The FLOPs of matmuls that run in 16 bits ride in the bytes-by-size pairs under these negative keys, so every
 # path that carries, adds and extrapolates counts carries them too (:func:`split_flops` takes them out)
 HALF_FLOPS_KEY = {torch.float16: -16, torch.bfloat16: -17}
+# A matmul with a side of at most NARROW (a LoRA adapter's rank, a GaLore projection) runs far below a CPU's
+# square-matmul rate (512x256 @ 256x8: ~14 GFLOP/s against ~95 at 256^3 on a 2-core EPYC): its FLOPs ride in the
+# same pairs under a negative key that encodes (M, K, N, dtype) -- :func:`narrow_key` -- and are timed at their
+# own shape on the CPU that predicts (speed.cpu_narrow_rate); a GPU's prediction keeps them in ``flops``.
+NARROW = 64
+_NARROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SIDE = 1 << 21  # each side clamped below 2^21 in the key (a side that long is not narrow's concern)
+_NARROW_BASE = -1000
+
+
+def narrow_key(m: int, k: int, n: int, dtype: torch.dtype) -> int:
+    """The negative key of a narrow ``(m, k) @ (k, n)`` matmul in ``dtype``; :func:`narrow_shape` reverses it.
+
+    >>> narrow_shape(narrow_key(512, 256, 8, torch.float32))
+    (512, 256, 8, torch.float32)
+    """
+    code = _NARROW_DTYPES.index(dtype)
+    return _NARROW_BASE - (((code * _SIDE + min(m, _SIDE - 1)) * _SIDE + min(k, _SIDE - 1)) * _SIDE + min(n, _SIDE - 1))
+
+
+def narrow_shape(key: int) -> tuple[int, int, int, torch.dtype]:
+    v = _NARROW_BASE - key
+    v, n = divmod(v, _SIDE)
+    v, k = divmod(v, _SIDE)
+    code, m = divmod(v, _SIDE)
+    return m, k, n, _NARROW_DTYPES[code]
+
+
+def _narrow(func, args) -> int | None:
+    """The key of a 2-D matmul (``mm``, ``addmm``: what ``nn.Linear`` runs) with a side <= :data:`NARROW`."""
+    packet = func.overloadpacket
+    a, b = (args[0], args[1]) if packet is _aten.mm else (args[1], args[2]) if packet is _aten.addmm else (None, None)
+    if a is None or a.dim() != 2 or b.dim() != 2 or a.dtype not in _NARROW_DTYPES:
+        return None
+    (m, k), n = a.shape, b.shape[1]
+    return narrow_key(m, k, n, a.dtype) if min(m, k, n) <= NARROW else None
 _FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
 # Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
 _NOT_COMPUTE = ("offload", "zero")
@@ -88,8 +124,10 @@ class Traffic(TorchDispatchMode):
             self.flops += fl
             first = out if isinstance(out, torch.Tensor) else next(
                 (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
-            key = HALF_FLOPS_KEY.get(first.dtype) if first is not None else None
-            if key is not None:  # a 16-bit matmul: a CPU runs it at another rate than fp32 (speed.step_time)
+            key = _narrow(func, args) if matmul else None
+            if key is None:
+                key = HALF_FLOPS_KEY.get(first.dtype) if first is not None else None
+            if key is not None:  # narrow or 16-bit: a CPU runs it at another rate than fp32 (speed.step_time)
                 self.by_size[key] = self.by_size.get(key, 0) + fl
         if not matmul:
             outs = (out,) if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -118,15 +156,18 @@ class Traffic(TorchDispatchMode):
             self.by_size[k] = self.by_size.get(k, 0) + v
 
 
-def split_flops(sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], dict[str, int]]:
-    """(the bytes-by-size pairs alone, {"fp16": FLOPs, "bf16": FLOPs} of the 16-bit matmuls) of a count.
+def split_flops(sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], dict[str, int],
+                                                              tuple[tuple[tuple, int], ...]]:
+    """(the bytes-by-size pairs alone, {"fp16": FLOPs, "bf16": FLOPs} of the 16-bit matmuls that are not narrow,
+    ((M, K, N, dtype), FLOPs) of each narrow matmul shape) of a count.
 
-    >>> split_flops(((-17, 100), (4096, 8)))
-    (((4096, 8),), {'fp16': 0, 'bf16': 100})
+    >>> split_flops(((-17, 100), (narrow_key(512, 256, 8, torch.float32), 64), (4096, 8)))
+    (((4096, 8),), {'fp16': 0, 'bf16': 100}, (((512, 256, 8, torch.float32), 64),))
     """
     d = dict(sizes)
     half = {name: d.pop(HALF_FLOPS_KEY[dt], 0) for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16))}
-    return tuple(sorted(d.items())), half
+    narrow = tuple((narrow_shape(k), d.pop(k)) for k in sorted(d) if k <= _NARROW_BASE)
+    return tuple(sorted(d.items())), half, narrow
 
 
 def _cpu_sdpa(*args, out_val=None, **kwargs) -> int:  # torch has no formula for the CPU flash kernel

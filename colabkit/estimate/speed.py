@@ -133,9 +133,9 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
         state = 0 if want == compute else int(2 * n * state_bytes_per_param(plan.optimizer_token))
         if state and notes is not None:
             notes.append(f"step time: {plan.optimizer_token} counted as SGD plus its state read and written ({why})")
-        sizes, half = split_flops(sizes)
+        sizes, half, narrow = split_flops(sizes)
         return {"flops": f, "kernels": ops, "kernel_bytes": nbytes, "state_bytes": state, "kernel_sizes": sizes,
-                "flops_fp16": half["fp16"], "flops_bf16": half["bf16"]}
+                "flops_fp16": half["fp16"], "flops_bf16": half["bf16"], "narrow_flops": narrow}
     if params is None:
         raise RuntimeError(f"the step of {plan} cannot be counted on fake tensors ({why})")
     if notes is not None:
@@ -171,15 +171,17 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @functools.lru_cache(maxsize=4)
 def _block_seconds(dtype: str) -> float:
-    """Process seconds of one frozen transformer block (gpt:1x128, 4 x 128 tokens) run forward and backward to
+    """Process seconds of one frozen transformer block (gpt:1x256, the width of colabkit's CPU bench model, 4 x
+    128 tokens; 16-bit kernels' speed against fp32 depends on the width: at 128 a CPU without native bf16 ran
+    bf16 at 0.56x fp32, at 256 0.43x, as its matmuls do) run forward and backward to
     its input in ``dtype``: what a lora base or an autocast step runs in 16 bits, elementwise kernels and
     attention included (a bare matmul overstates bf16: 2.1x fp32 on a 2-core EPYC with AVX512-BF16, 1.3x in
     the block; an Intel Xeon with AVX512-BF16 ran lora's bf16 base slower than fp32)."""
     from ..models import GPT, blocks_of, gpt_config
 
     torch.manual_seed(0)
-    block = blocks_of(GPT(gpt_config("gpt:1x128")))[0].to(_DTYPES[dtype]).requires_grad_(False)
-    x = torch.randn(4, 128, 128, dtype=_DTYPES[dtype], requires_grad=True)  # (B, S, D)
+    block = blocks_of(GPT(gpt_config("gpt:1x256")))[0].to(_DTYPES[dtype]).requires_grad_(False)
+    x = torch.randn(4, 128, 256, dtype=_DTYPES[dtype], requires_grad=True)  # (B, S, D)
     return time_fn(lambda: block(x).sum().backward(), warmup=1, repeats=3).median
 
 
@@ -190,6 +192,20 @@ def cpu_matmul_rate(dtype: str) -> float:
     use -- no CPU model assumed. ``step_time`` puts each counted matmul at the rate of the dtype it ran in."""
     rate = cpu_throughput()["fp32"]
     return rate if dtype == "fp32" else rate * _block_seconds("fp32") / _block_seconds(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def cpu_narrow_rate(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+    """FLOP/s of a narrow ``(m, k) @ (k, n)`` matmul (a side <= ``counting.NARROW``: a LoRA adapter, a
+    projection to a low rank) on this CPU, timed at that shape (``m`` capped at 4096 rows: the rate no longer
+    depends on it there). Such a matmul runs several times below the square rate of :func:`cpu_throughput`
+    (512x256 @ 256x8: ~14 GFLOP/s against ~95 at 256^3 on a 2-core EPYC), and its orientation matters (the
+    same FLOPs as 512x8 @ 8x256 run at ~50)."""
+    m = min(m, 4096)
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    reps = max(1, min(64, int(2e7 // max(1, 2 * m * k * n))))  # ~20 MFLOP a round: a few ms
+    t = time_fn(lambda: [a @ b for _ in range(reps)], warmup=1, repeats=3).median / reps
+    return 2 * m * k * n / t
 
 
 @functools.lru_cache(maxsize=32)
@@ -256,10 +272,13 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
     if gpu is not None:  # a GPU: every matmul at the plan's compute dtype; memory at an achievable fraction
         compute = counts["flops"] / (figs[dtype] * frac.get(dtype, 1.0))
         memory /= frac["mem_bw"]
-    else:  # this CPU: each matmul at the measured rate of the dtype it ran in (counted per dtype)
+    else:  # this CPU: each matmul at the measured rate of the dtype it ran in (counted per dtype), a narrow
+        # one at the rate measured at its own shape
         half = {d: counts.get(f"flops_{d}", 0) for d in ("fp16", "bf16")}
-        compute = (counts["flops"] - sum(half.values())) / figs["fp32"] + sum(f / cpu_matmul_rate(d)
-                                                                              for d, f in half.items() if f)
+        narrow = counts.get("narrow_flops") or ()
+        compute = ((counts["flops"] - sum(half.values()) - sum(f for _, f in narrow)) / figs["fp32"]
+                   + sum(f / cpu_matmul_rate(d) for d, f in half.items() if f)
+                   + sum(f / cpu_narrow_rate(*shape) for shape, f in narrow))
         dtype = "+".join(["fp32"] + [d for d, f in half.items() if f])
     terms = {"compute": compute,
              "memory": memory,
