@@ -180,3 +180,14 @@ def test_overheads_term_for_each_kernel():
     bnb = terms(t4, "adamw8bit", shapes)["optimizer_step"]
     assert own.nbytes == bnb.nbytes == 0
     assert "colabkit's own 8-bit kernel" in own.source and "bitsandbytes" in bnb.source
+
+
+def test_offload_optimizer_steps_on_the_host(old_substitute, monkeypatch):
+    """offload:optimizer on a GPU: colabkit's kernel steps the host copies, so the device sees nothing of its
+    step; the substitute is kept (same device figures as the old path), and notes say where the kernel runs."""
+    old = estimate(MODEL, "adamw8bit+offload:optimizer", batch=B, seq=S, gpu="t4")
+    monkeypatch.undo()
+    assert trace_mod.steps_own_8bit_kernel("adamw8bit+offload:optimizer", GPU_PROFILES["t4"])  # the factory's rule
+    new = estimate(MODEL, "adamw8bit+offload:optimizer", batch=B, seq=S, gpu="t4")
+    assert (new["peak_bytes"], new["host_bytes"]) == (old["peak_bytes"], old["host_bytes"])
+    assert any("steps the host copies" in n for n in new["notes"]), new["notes"]

@@ -492,10 +492,15 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
     also left a few KiB of noise in the next trace), and bitsandbytes is not imported for an optimizer.
     ``run_plan``: the plan as the run has it (``plan`` may have its offload tokens split off for a GPU
     profile); where the run steps adamw8bit with colabkit's own kernel (:func:`steps_own_8bit_kernel`) that
-    kernel is traced, not substituted; should it fail on fake tensors, its scratch is added from
+    kernel is traced, not substituted (but for offload:optimizer on a GPU: it steps on the host, so the device
+    sees nothing of it); should it fail on fake tensors, its scratch is added from
     :func:`own_8bit_scratch` at the peak of the phase it steps in (an upper bound), said in ``notes``."""
     run = plan if run_plan is None else Plan.parse(run_plan)
     own8 = steps_own_8bit_kernel(run, profile)
+    # offload:optimizer on a GPU: the kernel steps host copies, nothing of its step is on the device (the same with
+    # the substitute, at a fraction of the cost), and host_bytes counts state, not step scratch: substituted
+    host8 = own8 and profile is not None and "optimizer" in set(run.get("offload") or ())
+    own8 = own8 and not host8
     known = None
     if "qlora" in plan or (plan.optimizer in NO_FAKE_OPTIMIZERS and not own8):
         ctx = Context(device=torch.device("cpu"), env=_env_report())
@@ -547,7 +552,10 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
         _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "
-                     f"{fmt_bytes(state)} comes from state_bytes_per_param")
+                     f"{fmt_bytes(state)} comes from state_bytes_per_param" if not host8 else
+                     f"adamw8bit: colabkit's own 8-bit kernel steps the host copies (offload:optimizer): nothing of its "
+                     f"step is on the GPU; traced as SGD, its state {fmt_bytes(state)} from state_bytes_per_param "
+                     f"(host RAM also holds its step scratch, {fmt_bytes(own_8bit_scratch(t['trainable_shapes']))})")
         if own8:  # colabkit's kernel, which should have run: its scratch from the formula, at its phase's peak
             scratch = own_8bit_scratch(t["trainable_shapes"])
             phase = "backward" if "fused-step" in plan else "optimizer"
