@@ -49,7 +49,7 @@ def steps_own_8bit_kernel(plan: Plan | str, profile: dict | None) -> bool:
     CPU) steps ``adamw8bit`` with colabkit's :class:`~colabkit.techniques.optimizers.AdamW8bit` rather than
     bitsandbytes': the rule of :func:`~colabkit.techniques.optimizers.adamw8bit_kernel`, asked with where the
     plan puts the parameters the optimizer gets -- on a GPU every one on the device unless ``offload:params``
-    streams the blocks' from the host or ``offload:optimizer`` steps host copies; on the CPU none on a GPU.
+    streams the blocks' from the host or ``offload:optimizer`` steps host copies; on the CPU none is.
     That kernel is plain torch: the trace runs it, so its state and per-step scratch are counted.
 
     >>> steps_own_8bit_kernel("adamw8bit", {"key": "t4"}), steps_own_8bit_kernel("adamw8bit+fused-step", {"key": "t4"})
@@ -76,6 +76,8 @@ def own_8bit_scratch(trainable_shapes: list[tuple[int, ...]]) -> int:
     if not sizes:
         return 0
     return 9 * min(AdamW8bit.CHUNK, -(-max(sizes) // BNB_BLOCK) * BNB_BLOCK)
+
+
 # The reference path (every step traced op by op, the whole model, nothing cached): COLABKIT_ESTIMATE_FULL=1
 # or the full_trace() block. The fast path is tested against it.
 _FULL = [os.environ.get("COLABKIT_ESTIMATE_FULL", "") == "1"]
@@ -572,7 +574,6 @@ def _why_own_8bit(run: Plan, profile: dict | None) -> str:
         return "off CUDA"
     offload = set(run.get("offload") or ())
     return ("offload:params: host and device parameters, each stepped on its side" if "params" in offload else
-            "offload:optimizer: host copies, stepped on the host" if "optimizer" in offload else
             "fused-step: bitsandbytes would sync the device after every parameter")
 
 
@@ -587,4 +588,3 @@ def _add_step_scratch(t: dict[str, Any], phase: str, nbytes: int) -> None:
     t["breakdown"]["other"] = max(t["breakdown"]["other"], pp["own"]["other"])
     if pp["peak"] > t["peak_bytes"]:
         t["peak_bytes"], t["at_peak"], t["peak_phase"] = pp["peak"], dict(pp["at_peak"]), phase
-
