@@ -67,7 +67,7 @@ from .estimate.zero import comm_elements  # noqa: E402
 from .resilience import describe_resume, kill_and_resume  # noqa: E402
 from .structured import (OffloadedSemiseparable, hodlr_bytes, max_rank_for_saving, relative_error, scaling,  # noqa: E402
                          sharded_bytes, sharded_run, storage_bytes, tracked_bytes)
-from .techniques.optimizers import AdamW8bit  # noqa: E402
+from .techniques.optimizers import AdamW8bit, adamw8bit_kernel  # noqa: E402
 
 from .selftest import report_markdown as selftest_markdown, selftest, write_report as write_selftest  # noqa: E402
 from .determinism import deterministic, seed_all  # noqa: E402

@@ -210,7 +210,7 @@ def terms(profile: dict[str, Any], plan: Plan | str, trainable_shapes: Iterable[
         frag_src = f"measured by colabkit calibrate on {calibrated.get('gpu')} ({calibrated.get('date')})"
     out["fragmentation"] = Term("fragmentation", int(frag * peak_bytes), int(frag_u * peak_bytes), frag_src, True)
 
-    out["optimizer_step"] = _optimizer_step(plan, trainable_shapes)
+    out["optimizer_step"] = _optimizer_step(plan, trainable_shapes, profile)
     if "qlora" in plan:
         biggest = max((n for n, linear in frozen if linear), default=0)
         out["nf4_dequant"] = Term("nf4_dequant", 2 * biggest, biggest,
@@ -220,11 +220,18 @@ def terms(profile: dict[str, Any], plan: Plan | str, trainable_shapes: Iterable[
     return out
 
 
-def _optimizer_step(plan: Plan, trainable_shapes: list[tuple[int, ...]]) -> Term:
+def _optimizer_step(plan: Plan, trainable_shapes: list[tuple[int, ...]], profile: dict | None = None) -> Term:
+    from .trace import steps_own_8bit_kernel  # make_optimizer's rule (adamw8bit_kernel), asked
+
     opt = plan.optimizer
     n = sum(math.prod(s) for s in trainable_shapes)
     if "optimizer" in (plan.get("offload") or ()):
         return Term("optimizer_step", 0, 0, "offload:optimizer: the step runs on the host", False)
+    if steps_own_8bit_kernel(plan, profile or {}):
+        return Term("optimizer_step", 0, 0,
+                    "adamw8bit steps with colabkit's own 8-bit kernel here (fused-step or offload:params), plain "
+                    "torch: the trace ran it, so its per-step scratch (two fp32 and one uint8 chunk buffers per "
+                    "device) is in the traced peak already; nothing added", False)
     if opt == "adamw":
         return Term("optimizer_step", 0, 0,
                     "torch AdamW with fused=True on CUDA (colabkit's adamw): the fused kernel updates in place, no "

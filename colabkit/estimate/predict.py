@@ -156,7 +156,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         half = zero in (2, 3) and ("fp16" in plan or "bf16" in plan)  # FSDP2 gathers 16-bit parameters
         with block_grads_to_host(streamed), gathered_in_half(half):
             t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
-                                       CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs)
+                                       CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs, run_plan=plan)
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes, t)  # plan: offload is bytes moved
         counts["nf4_params"] = sum(n for n, q, _ in t["frozen"] if q) if "qlora" in plan else 0  # dequantized each pass
     _shard(t, zero, world_size, half)  # zero:N: one rank's share of the categories the stage shards

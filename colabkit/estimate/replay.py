@@ -35,12 +35,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from ..memory import _storages, tensors_in
-from ..techniques.optimizers import AdamW4bit
+from ..techniques.optimizers import AdamW4bit, AdamW8bit
 from .counting import Traffic, add_replayed
 
 # Optimizers whose step updates each parameter from its own gradient and state, one after another, with
 # nothing shared between parameters (torch's single-tensor paths: the default for CPU tensors).
-REPLAYABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adafactor, AdamW4bit)
+REPLAYABLE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adafactor, AdamW4bit, AdamW8bit)
 
 
 @dataclass(frozen=True)

@@ -488,14 +488,29 @@ def _on_device(p: torch.Tensor) -> bool:
 BNB_SYNC_PER_PARAM = ("paged-adamw8bit", "lion", "lion8bit")  # bitsandbytes only: refused with fused-step on CUDA
 
 
+def adamw8bit_kernel(plan: Plan | str, all_on_gpu: bool) -> str:
+    """Which kernel steps the ``adamw8bit`` token: ``"bitsandbytes"`` (its fused blockwise CUDA kernel) when
+    ``all_on_gpu`` -- every parameter the optimizer is given lives on the GPU -- and they step together (no
+    ``fused-step``); ``"colabkit"`` (:class:`AdamW8bit`, same state bytes, pure torch) otherwise: off CUDA,
+    where bitsandbytes runs a slow fallback; under fused-step, where bitsandbytes' device sync after every
+    parameter would stall backward once per tensor; with offload:params (host and device parameters mixed:
+    colabkit's kernel runs each on its own side, with per-device scratch) or offload:optimizer (host copies).
+    The one place this rule is written: the token's factory asks it with the parameters it is given, the
+    estimator with where the plan puts them (:func:`colabkit.estimate.trace.steps_own_8bit_kernel`).
+
+    >>> adamw8bit_kernel("adamw8bit", True), adamw8bit_kernel("adamw8bit+fused-step", True)
+    ('bitsandbytes', 'colabkit')
+    >>> adamw8bit_kernel("adamw8bit", False)
+    'colabkit'
+    """
+    return "bitsandbytes" if all_on_gpu and "fused-step" not in Plan.parse(plan) else "colabkit"
+
+
 def _adamw8bit(groups: list[dict], plan: Plan, ctx: Context) -> torch.optim.Optimizer:
-    """bitsandbytes' AdamW8bit when every parameter is on the GPU and steps together (its fused blockwise
-    kernel); :class:`AdamW8bit` (same state bytes, pure torch) otherwise: off CUDA, where bitsandbytes runs a
-    slow fallback; under fused-step, where bitsandbytes' device sync after every parameter would stall
-    backward once per tensor; and with offload:params, where bitsandbytes would get host and device parameters
-    mixed in one optimizer (colabkit's kernel runs each on its own side, with per-device scratch)."""
+    """The kernel :func:`adamw8bit_kernel` names for these parameters: bitsandbytes' AdamW8bit or
+    colabkit's :class:`AdamW8bit`."""
     ps = [p for g in groups for p in g["params"]]
-    if ps and all(_on_device(p) for p in ps) and "fused-step" not in plan:
+    if adamw8bit_kernel(plan, bool(ps) and all(_on_device(p) for p in ps)) == "bitsandbytes":
         return _bnb_opt("AdamW8bit", min_8bit_size=MIN_QUANT_SIZE)(groups, plan, ctx)
     return AdamW8bit(groups, lr=ctx.lr, min_8bit_size=MIN_QUANT_SIZE)
 
