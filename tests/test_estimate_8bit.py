@@ -25,6 +25,7 @@ from colabkit.trainer import Trainer
 from colabkit.train import measure
 
 trace_mod = importlib.import_module("colabkit.estimate.trace")  # the package exports a function named trace
+subs = importlib.import_module("colabkit.estimate.substitutes")
 
 MODEL, B, S = "gpt:2x64", 2, 16  # 183k parameters, the largest tensor (the tied embedding) 16k values
 TOL = 0.01  # the estimate within 1% of the measured peak; the scratch is ~17% of it here (the control's miss)
@@ -49,13 +50,13 @@ def _measured(plan: str, alloc_round: int) -> dict:
 
 def _scratch() -> int:
     """The kernel's scratch by its formula for MODEL's trainable tensors."""
-    return trace_mod.own_8bit_scratch([tuple(p.shape) for p in build_model(MODEL, seq=S).parameters()])
+    return subs.own_8bit_scratch([tuple(p.shape) for p in build_model(MODEL, seq=S).parameters()])
 
 
 @pytest.fixture
 def old_substitute(monkeypatch):
     """The estimator as it was: adamw8bit always substituted (SGD traced, state from the formula)."""
-    monkeypatch.setattr(trace_mod, "steps_own_8bit_kernel", lambda plan, profile: False)
+    monkeypatch.setattr(subs, "steps_own_8bit_kernel", lambda plan, profile: False)
 
 
 def test_fused_step_on_t4_counts_the_kernels_scratch():
@@ -121,17 +122,17 @@ def _made_on_cuda(plan: str, host_blocks: bool, monkeypatch) -> str:
 def test_estimator_follows_the_factorys_rule(plan, monkeypatch):
     """The estimator's choice (trace the kernel or substitute) is the factory's choice on a GPU."""
     made = _made_on_cuda(plan, "offload:params" in plan, monkeypatch)
-    assert trace_mod.steps_own_8bit_kernel(plan, GPU_PROFILES["t4"]) == (made == "colabkit")
-    assert trace_mod.steps_own_8bit_kernel(plan, None)  # off CUDA: always colabkit's
+    assert subs.steps_own_8bit_kernel(plan, GPU_PROFILES["t4"]) == (made == "colabkit")
+    assert subs.steps_own_8bit_kernel(plan, None)  # off CUDA: always colabkit's
 
 
 def test_one_rule(monkeypatch):
     """The estimator asks the optimizers module's rule, it does not restate it: changing the rule there
     changes the estimator's answer."""
-    assert trace_mod.steps_own_8bit_kernel("adamw8bit+fused-step", GPU_PROFILES["t4"])
-    monkeypatch.setattr(trace_mod, "adamw8bit_kernel", lambda plan, all_on_gpu: "bitsandbytes")
-    assert not trace_mod.steps_own_8bit_kernel("adamw8bit+fused-step", GPU_PROFILES["t4"])
-    assert not trace_mod.steps_own_8bit_kernel("paged-adamw8bit", GPU_PROFILES["t4"])  # bitsandbytes' only
+    assert subs.steps_own_8bit_kernel("adamw8bit+fused-step", GPU_PROFILES["t4"])
+    monkeypatch.setattr(subs, "adamw8bit_kernel", lambda plan, all_on_gpu: "bitsandbytes")
+    assert not subs.steps_own_8bit_kernel("adamw8bit+fused-step", GPU_PROFILES["t4"])
+    assert not subs.steps_own_8bit_kernel("paged-adamw8bit", GPU_PROFILES["t4"])  # bitsandbytes' only
 
 
 def test_scratch_formula_matches_a_measured_step():
@@ -148,7 +149,7 @@ def test_scratch_formula_matches_a_measured_step():
             with mt.phase("optimizer"):
                 opt.step()
         measured = mt.report()["breakdown"]["other"]
-        formula = trace_mod.own_8bit_scratch([tuple(p.shape) for p in m.parameters()])
+        formula = subs.own_8bit_scratch([tuple(p.shape) for p in m.parameters()])
         assert formula == 9 * min(opt_mod.AdamW8bit.CHUNK, rows * 512)
         assert formula <= measured <= 1.02 * formula, (rows, measured, formula)
 
@@ -156,14 +157,14 @@ def test_scratch_formula_matches_a_measured_step():
 def test_kernel_that_cannot_be_traced_gets_the_formula(monkeypatch):
     """Where colabkit's kernel failed on fake tensors, the substitute adds its scratch from the formula at the
     phase it steps in: an upper bound of the measured peak, said in notes (without it: short, as the control)."""
-    real = trace_mod._traced
+    real = subs._traced
 
     def failing(model_fn, plan, *args, **kwargs):
         if plan.optimizer == "adamw8bit":
             raise RuntimeError("reads tensor data")
         return real(model_fn, plan, *args, **kwargs)
 
-    monkeypatch.setattr(trace_mod, "_traced", failing)
+    monkeypatch.setattr(subs, "_traced", failing)
     est = estimate(MODEL, "adamw8bit+fused-step", batch=B, seq=S, gpu="t4")
     got = _measured("adamw8bit+fused-step", 512)
     scratch = _scratch()
@@ -187,7 +188,7 @@ def test_offload_optimizer_steps_on_the_host(old_substitute, monkeypatch):
     step; the substitute is kept (same device figures as the old path), and notes say where the kernel runs."""
     old = estimate(MODEL, "adamw8bit+offload:optimizer", batch=B, seq=S, gpu="t4")
     monkeypatch.undo()
-    assert trace_mod.steps_own_8bit_kernel("adamw8bit+offload:optimizer", GPU_PROFILES["t4"])  # the factory's rule
+    assert subs.steps_own_8bit_kernel("adamw8bit+offload:optimizer", GPU_PROFILES["t4"])  # the factory's rule
     new = estimate(MODEL, "adamw8bit+offload:optimizer", batch=B, seq=S, gpu="t4")
     assert (new["peak_bytes"], new["host_bytes"]) == (old["peak_bytes"], old["host_bytes"])
     assert any("steps the host copies" in n for n in new["notes"]), new["notes"]

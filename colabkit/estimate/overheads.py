@@ -221,7 +221,7 @@ def terms(profile: dict[str, Any], plan: Plan | str, trainable_shapes: Iterable[
 
 
 def _optimizer_step(plan: Plan, trainable_shapes: list[tuple[int, ...]], profile: dict | None = None) -> Term:
-    from .trace import steps_own_8bit_kernel  # make_optimizer's rule (adamw8bit_kernel), asked
+    from .substitutes import steps_own_8bit_kernel  # make_optimizer's rule (adamw8bit_kernel), asked
 
     opt = plan.optimizer
     n = sum(math.prod(s) for s in trainable_shapes)

@@ -32,7 +32,8 @@ from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
 from .inputs import batch_shape, described, module_factory
-from .trace import CUDA_ALLOC_ROUND, block_grads_to_host, trace_with_substitutes
+from .substitutes import trace_with_substitutes
+from .trace import CUDA_ALLOC_ROUND, block_grads_to_host
 
 
 def from_config(config: Any) -> Callable[[], torch.nn.Module]:

@@ -120,7 +120,7 @@ def count_flops(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int
     plan = Plan.parse(plan)
     compute = compute_plan(plan)
     fake_ok = plan.optimizer not in NO_FAKE_OPTIMIZERS  # known not to run on fake tensors: not tried (nor imported)
-    # ...unless the memory trace ran it (adamw8bit on colabkit's own kernel: trace.steps_own_8bit_kernel)
+    # ...unless the memory trace ran it (adamw8bit on colabkit's own kernel: substitutes.steps_own_8bit_kernel)
     fake_ok = fake_ok or (traced is not None and traced.get("counted_plan") == compute)
     why = "bitsandbytes kernels read tensor data"
     for want in ([compute] if fake_ok else []) + [sgd_plan(compute, plan.optimizer_token)]:

@@ -496,7 +496,7 @@ def adamw8bit_kernel(plan: Plan | str, all_on_gpu: bool) -> str:
     parameter would stall backward once per tensor; with offload:params (host and device parameters mixed:
     colabkit's kernel runs each on its own side, with per-device scratch) or offload:optimizer (host copies).
     The one place this rule is written: the token's factory asks it with the parameters it is given, the
-    estimator with where the plan puts them (:func:`colabkit.estimate.trace.steps_own_8bit_kernel`).
+    estimator with where the plan puts them (:func:`colabkit.estimate.substitutes.steps_own_8bit_kernel`).
 
     >>> adamw8bit_kernel("adamw8bit", True), adamw8bit_kernel("adamw8bit+fused-step", True)
     ('bitsandbytes', 'colabkit')
