@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..plan import REGISTRY, Plan
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
-from ..timing import time_fn
+from ..timing import interleaved, ratio, time_fn
 from ..trainer import Trainer
 from .counting import Traffic, affine, compute_plan, counting, sgd_plan, split_flops
 from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, gpt_builder
@@ -172,28 +172,34 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @functools.lru_cache(maxsize=4)
-def _block_seconds(dtype: str) -> float:
-    """Process seconds of one frozen transformer block (gpt:1x256, the width of colabkit's CPU bench model, 4 x
-    128 tokens; 16-bit kernels' speed against fp32 depends on the width: at 128 a CPU without native bf16 ran
-    bf16 at 0.56x fp32, at 256 0.43x, as its matmuls do) run forward and backward to
-    its input in ``dtype``: what a lora base or an autocast step runs in 16 bits, elementwise kernels and
-    attention included (a bare matmul overstates bf16: 2.1x fp32 on a 2-core EPYC with AVX512-BF16, 1.3x in
-    the block; an Intel Xeon with AVX512-BF16 ran lora's bf16 base slower than fp32)."""
+def _block_slowdown(dtype: str) -> float:
+    """How many times longer one frozen transformer block takes in ``dtype`` than in fp32 on this CPU, run
+    forward and backward to its input (gpt:1x256 -- the width of colabkit's CPU bench model -- 4 x 128 tokens):
+    what a lora base or an autocast step runs in 16 bits, elementwise kernels and attention included (a bare
+    matmul overstates bf16: 2.1x fp32 on a 2-core EPYC with AVX512-BF16, 1.2-1.3x in the block; an Intel Xeon
+    with AVX512-BF16 ran lora's bf16 base slower than fp32). The speed of 16-bit kernels against fp32 depends
+    on the width (a CPU without native bf16 ran the block at 0.56x fp32 at width 128, 0.43x at 256, as its
+    matmuls do). Both dtypes timed interleaved, five rounds: the median of the per-round ratios, so a burst of
+    load on a shared machine hits both (3 rounds each, apart, moved the prediction of lora:8 by 20%)."""
     from ..models import GPT, blocks_of, gpt_config
 
-    torch.manual_seed(0)
-    block = blocks_of(GPT(gpt_config("gpt:1x256")))[0].to(_DTYPES[dtype]).requires_grad_(False)
-    x = torch.randn(4, 128, 256, dtype=_DTYPES[dtype], requires_grad=True)  # (B, S, D)
-    return time_fn(lambda: block(x).sum().backward(), warmup=1, repeats=3).median
+    def runner(d: str):
+        torch.manual_seed(0)
+        block = blocks_of(GPT(gpt_config("gpt:1x256")))[0].to(_DTYPES[d]).requires_grad_(False)
+        x = torch.randn(4, 128, 256, dtype=_DTYPES[d], requires_grad=True)  # (B, S, D)
+        return lambda: block(x).sum().backward()
+
+    return ratio(interleaved({d: runner(d) for d in ("fp32", dtype)}, warmup=1, repeats=5), dtype, "fp32")
 
 
 @functools.lru_cache(maxsize=4)
 def cpu_matmul_rate(dtype: str) -> float:
     """This CPU's matmul FLOP/s in ``dtype`` ("fp32", "fp16", "bf16"): fp32's measured rate, and a 16-bit one
-    scaled by how much faster (or slower) a transformer block runs in it than in fp32, measured here on first
-    use -- no CPU model assumed. ``step_time`` puts each counted matmul at the rate of the dtype it ran in."""
+    scaled by how much faster (or slower) a transformer block runs in it than in fp32 (:func:`_block_slowdown`),
+    measured here on first use -- no CPU model assumed. ``step_time`` puts each counted matmul at the rate of
+    the dtype it ran in."""
     rate = cpu_throughput()["fp32"]
-    return rate if dtype == "fp32" else rate * _block_seconds("fp32") / _block_seconds(dtype)
+    return rate if dtype == "fp32" else rate / _block_slowdown(dtype)
 
 
 @functools.lru_cache(maxsize=256)
