@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..device import pinned_bytes
 from ..plan import Plan, PlanError
 
 SHARDED = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
@@ -192,6 +193,11 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
         d["at_peak"], d["peak"] = at_bwd, sum(at_bwd.values())
         for c in d["own"]:
             d["own"][c] = max(d["own"][c], d["at_peak"][c]) if c in ("activations", "other") else d["own"][c]
+    _settle(t)
+
+
+def _settle(t: dict[str, Any]) -> None:
+    """The step's peak as the largest phase's; each category's own peak at least any phase's."""
     if t["phase_peaks"]:
         top = max(t["phase_peaks"], key=lambda p: t["phase_peaks"][p]["peak"])
         t["peak_phase"], t["at_peak"] = top, dict(t["phase_peaks"][top]["at_peak"])
@@ -267,6 +273,56 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
         if sum(cats.values()) > sum(best.values()):
             best = cats
     return best
+
+
+# ----- zero:3 with offload:params / offload:optimizer: FSDP2's CPUOffloadPolicy ------------------------------
+def fsdp_offload_plan(traced: Plan, plan: Plan) -> Plan:
+    """What to trace for zero:3 with offload: FSDP2's ``CPUOffloadPolicy`` streams no block and recomputes none
+    (colabkit's own ``offload:params`` does, so its GPU trace adds ``checkpoint``): the plan as it is.
+
+    >>> str(fsdp_offload_plan(Plan.parse("bf16+checkpoint"), Plan.parse("bf16+offload:params")))
+    'bf16'
+    """
+    if "checkpoint" in plan:
+        return traced
+    return Plan.parse([k for k in traced.tokens if k.partition(":")[0] != "checkpoint"] or "baseline")
+
+
+def cpu_offload(t: dict[str, Any], world_size: int, pinned: bool) -> dict[str, int]:
+    """zero:3 with ``CPUOffloadPolicy``, on one rank's trace ``t`` (after :func:`shard_trace`), in place: the
+    sharded parameters, their gradients and the optimizer state live in host RAM (torch's FSDP2 docs: "offloads
+    parameters, gradients, and optimizer states to CPU"; the optimizer step runs there), so the GPU keeps what
+    FSDP2 puts there for compute: the gathered 16/32-bit copies (root unit, current and prefetched block), the
+    unsharded gradients before their reduce-scatter and its buffers, and the activations. Returns the rank's
+    host RAM by category: each parameter's shard (dim 0 padded to a multiple of N rows) fp32, pinned on a GPU
+    (``pin_memory()``: each rounded up to a power of two); the gradient shard the same (the reduce-scatter
+    output is copied to pinned host memory with ``non_blocking``); the optimizer state pageable (allocated by
+    the optimizer on the host), its per-rank share from the trace.
+
+    >>> t = {"breakdown": {"params": 6, "grads": 6, "optimizer": 12, "activations": 9, "other": 1},
+    ...      "trainable_shapes": [(3, 1)], "frozen": [], "phase_peaks": {"backward": {"peak": 0,
+    ...      "at_peak": {"params": 6, "grads": 2, "optimizer": 12, "activations": 9, "other": 1}}}}
+    >>> t["at_peak"] = dict(t["phase_peaks"]["backward"]["at_peak"])
+    >>> cpu_offload(t, 2, pinned=True), t["peak_bytes"]
+    ({'params': 8, 'grads': 8, 'optimizer': 12}, 10)
+    """
+    host = {"params": 0, "grads": 0, "optimizer": t["breakdown"]["optimizer"]}
+    for shape in t["trainable_shapes"]:
+        rows = shape[0] if shape else 1
+        shard = 4 * -(-rows // world_size) * (math.prod(shape) // max(rows, 1))  # fp32 master shard
+        host["params"] += pinned_bytes(shard) if pinned else shard
+        host["grads"] += pinned_bytes(shard) if pinned else shard
+    host["params"] += sum(-(-n * size // world_size) for n, _, size in t.get("frozen", ()))  # frozen: no gradient
+    for d in [t] + list(t["phase_peaks"].values()):
+        for k in ("breakdown", "own", "at_peak"):
+            if k in d:
+                d[k].update(params=0, grads=0, optimizer=0)
+    if "optimizer" in t["phase_peaks"]:  # the step and its temporaries run on the host
+        t["phase_peaks"]["optimizer"]["at_peak"]["other"] = 0
+    for d in t["phase_peaks"].values():
+        d["peak"] = sum(d["at_peak"].values())
+    _settle(t)
+    return host
 
 
 def comm_elements(params: int, stage: int | None, world_size: int) -> int:
