@@ -179,10 +179,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
     if fsdp_host is not None:  # FSDP2's CPUOffloadPolicy: each rank's shards and optimizer state in its host RAM
         host = sum(fsdp_host.values())
-        notes.append(f"zero:3 with offload (FSDP2's CPUOffloadPolicy): each rank's parameter and gradient shards "
-                     f"({fmt_bytes(fsdp_host['params'] + fsdp_host['grads'])}, pinned) and optimizer state "
-                     f"({fmt_bytes(fsdp_host['optimizer'])}) in its host RAM; the GPU keeps the gathered copies, "
-                     f"gradients in flight and activations")
+        notes.append("zero:3 with offload (FSDP2's CPUOffloadPolicy): each rank's parameter and gradient shards (pinned) "
+                     "and optimizer state in its host RAM (host_bytes); the GPU keeps the gathered copies, gradients "
+                     "in flight and activations; no block is recomputed unless the plan has checkpoint")
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])

@@ -155,7 +155,7 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     ...      "block_bytes": [15, 15]}
     >>> t["phase_peaks"]["backward"]["own"] = dict(t["phase_peaks"]["backward"]["at_peak"])
     >>> shard_trace(t, 3, 2); t["peak_bytes"], t["phase_peaks"]["backward"]["at_peak"]["activations"]
-    (113, 30)
+    (110, 50)
     """
     if not stage or world_size < 2:
         return
@@ -239,15 +239,16 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
       block being recomputed is in its ``other``), or, when it peaks at backward's end (k_p = L, nothing left),
       at their own peak in backward (its start, k = 0).
 
-    The peak is the largest over k. zero:3 peaks a block or more into backward: the gradient shards and the
+    The peak is the largest over k (k = k_p alone for L <= 2, the shallow traces a deep model's estimate is
+    extrapolated from: their argmax would move with depth). zero:3 peaks a block or more into backward: the gradient shards and the
     reduce-scatter buffer grow while the gathered copies stay two blocks; zero:2 peaks early (each done block
     frees its gathered copy, worth N times its gradient shard).
 
     >>> at = fsdp_backward({"at_peak": {"params": 40, "grads": 0, "optimizer": 80, "activations": 8, "other": 2},
     ...                     "own": {"params": 40, "grads": 40, "optimizer": 80, "activations": 8, "other": 2}},
-    ...                    40, [16, 16], 40, 3, 2, False)
+    ...                    40, [16, 16, 16], 56, 3, 2, False)
     >>> at["grads"], at["other"], at["activations"]
-    (8, 18, 28)
+    (8, 18, 45)
     """
     at, own = single["at_peak"], single["own"]
     c = 2 if half else 1  # gathered copies and unsharded gradients: param_dtype's bytes are fp32's / c
@@ -257,6 +258,14 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
     while k_p < n_blocks and done + order[k_p] <= at["grads"]:
         done, k_p = done + order[k_p], k_p + 1
     rest = at["grads"] - done  # the root's and a partial block's gradients at the single trace's peak (fp32)
+    shards = -(-params // world_size)
+    if n_blocks <= 2:  # the traces a deep model is extrapolated from (scale.by_depth, at depth 1 and 2): the
+        # single trace's own moment (k = k_p), every term affine in depth -- zero:3's two gathered blocks and the
+        # reduce-scatter buffer counted at both depths, as at depth L
+        return {"params": shards + ((root + sum(order[k_p:])) // c if stage == 2 else 0),
+                "grads": -(-sum(order[:k_p]) // world_size), "optimizer": optimizer,
+                "activations": at["activations"] + ((root + 2 * max(order)) // c if stage == 3 else 0),
+                "other": at["other"] + rest // c + (max(order) if k_p else 0)}
     best: dict[str, int] = {}
     for k in range(n_blocks):
         if k_p < n_blocks:  # what the L - k_p blocks not done at the trace's peak saved, per block remaining
@@ -264,7 +273,6 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
         else:  # the trace peaks at backward's end (none left): from their peak, at its start
             acts = own["activations"] * (n_blocks - k) // n_blocks
         pending = order[k:]  # blocks not yet done (the current one first)
-        shards = -(-params // world_size)
         cats = {"params": shards + ((root + sum(pending)) // c if stage == 2 else 0),
                 "grads": -(-sum(order[:k]) // world_size),
                 "optimizer": optimizer,
