@@ -217,6 +217,9 @@ def ddp_fresh(grads_at_peak: int, largest: int) -> int:
     return min(grads_at_peak, largest)
 
 
+SHALLOW = 2  # a trace with at most this many blocks: one a deep model's estimate is extrapolated from (scale.py)
+
+
 def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes: list[int], params: int, stage: int,
                   world_size: int, half: bool) -> dict[str, int]:
     """One rank's categories at the peak of FSDP2's backward (zero:2/3), from the single-process trace's backward
@@ -259,13 +262,17 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
         done, k_p = done + order[k_p], k_p + 1
     rest = at["grads"] - done  # the root's and a partial block's gradients at the single trace's peak (fp32)
     shards = -(-params // world_size)
-    if n_blocks <= 2:  # the traces a deep model is extrapolated from (scale.by_depth, at depth 1 and 2): the
-        # single trace's own moment (k = k_p), every term affine in depth -- zero:3's two gathered blocks and the
-        # reduce-scatter buffer counted at both depths, as at depth L
-        return {"params": shards + ((root + sum(order[k_p:])) // c if stage == 2 else 0),
-                "grads": -(-sum(order[:k_p]) // world_size), "optimizer": optimizer,
-                "activations": at["activations"] + ((root + 2 * max(order)) // c if stage == 3 else 0),
-                "other": at["other"] + rest // c + (max(order) if k_p else 0)}
+    if n_blocks <= SHALLOW:  # the traces a deep model is extrapolated from (scale.by_depth, at depth 1 and 2): every
+        # term affine in depth. The reduce-scatter buffer where the trace peaks late (most activations gone, as
+        # with checkpoint) at both depths, though k_p reaches 1 only at depth 2 there
+        scatter = max(order) if k_p or 2 * at["activations"] < own["activations"] else 0
+        if stage == 2:  # a deep zero:2 peaks one block in (k = 1): all but one block still gathered, backward's
+            return {"params": shards + (root + sum(order) - max(order)) // c,  # activations nearly all there
+                    "grads": -(-max(order) // world_size), "optimizer": optimizer,
+                    "activations": own["activations"], "other": at["other"] + rest // c + max(order)}
+        return {"params": shards, "grads": -(-sum(order[:k_p]) // world_size), "optimizer": optimizer,  # at k_p
+                "activations": at["activations"] + (root + 2 * max(order)) // c,  # two blocks, as at depth L
+                "other": at["other"] + rest // c + scatter}
     best: dict[str, int] = {}
     for k in range(n_blocks):
         if k_p < n_blocks:  # what the L - k_p blocks not done at the trace's peak saved, per block remaining
