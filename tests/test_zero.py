@@ -268,6 +268,10 @@ def _errors_with_old(term: str, measured: dict[str, dict], model: str, batch: in
     import importlib
 
     name, old = OLD_TERMS[term]
+    if term in ("fresh", "backward"):  # applied to the trace afterwards (shard_trace): the cached traces serve
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(importlib.import_module("colabkit.estimate.zero"), name, old)
+            return _estimate_matches(measured, model, batch, seq)
     trace_mod = importlib.import_module("colabkit.estimate.trace")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trace_mod, "_CACHE", trace_mod.OrderedDict())  # traces made with the new term
