@@ -147,6 +147,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
       forward), a block's are gathered while it runs and freed after it, and in backward the next block
       is prefetched (current + next: two blocks). zero:2's gathered copies are its parameters (P above).
       These full-size copies sit beside the shards, filed under activations as the tracker files them.
+    * zero:2 and zero:3 in backward: block by block, :func:`fsdp_backward` (what is gathered, the gradient
+      shards and the reduce-scatter buffer as the blocks are done, the activations still saved).
 
     >>> t = {"breakdown": {"params": 40, "grads": 40, "optimizer": 80, "activations": 10, "other": 0},
     ...      "at_peak": {"params": 40, "grads": 40, "optimizer": 80, "activations": 0, "other": 0},
