@@ -27,7 +27,7 @@ from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
-from .zero import for_rank, gathered_in_half, shard_trace
+from .zero import cpu_offload, for_rank, fsdp_offload_plan, gathered_in_half, shard_trace
 from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
@@ -146,6 +146,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
                      "factory, e.g. lambda: BertForSequenceClassification(config))")
     with _as_t4(profile):
         traced_plan, offload = _split_gpu_tokens(plan, profile)
+        fsdp_offload = zero == 3 and bool(offload)  # FSDP2's CPUOffloadPolicy moves the shards (zero.cpu_offload)
+        if fsdp_offload:
+            traced_plan, offload = fsdp_offload_plan(traced_plan, plan), frozenset()
         if profile is not None:
             check_as_gpu(plan)
         elif "offload:disk" in plan:
@@ -161,6 +164,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes, t)  # plan: offload is bytes moved
         counts["nf4_params"] = sum(n for n, q, _ in t["frozen"] if q) if "qlora" in plan else 0  # dequantized each pass
     _shard(t, zero, world_size, half)  # zero:N: one rank's share of the categories the stage shards
+    fsdp_host = cpu_offload(t, world_size, pinned=profile is not None) if fsdp_offload else None
     cfg = t["config"]
     disk_bytes = _disk_split(t, notes, gpu=profile is not None) if disk else 0
     # Each phase's peak moved to the host the same way; the device's peak is the largest phase's
@@ -174,9 +178,11 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
-    if zero == 3 and offload:  # FSDP2's CPUOffloadPolicy: each rank's host keeps its 1/N of what is offloaded
-        host = -(-host // world_size)
-        notes.append(f"zero:3 with offload: host RAM per rank is 1/{world_size} of the model's offloaded state")
+    if fsdp_host is not None:  # FSDP2's CPUOffloadPolicy: each rank's shards and optimizer state in its host RAM
+        host = sum(fsdp_host.values())
+        notes.append("zero:3 with offload (FSDP2's CPUOffloadPolicy): each rank's parameter and gradient shards (pinned) "
+                     "and optimizer state in its host RAM (host_bytes); the GPU keeps the gathered copies, gradients "
+                     "in flight and activations; no block is recomputed unless the plan has checkpoint")
     phase_peaks = {p: {"peak": int(sum(a.values())), "at_peak": a, "own": o} for p, (o, a, _) in phases.items()}
     if offload and phase_peaks:
         top = max(phase_peaks, key=lambda p: phase_peaks[p]["peak"])

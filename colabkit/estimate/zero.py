@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..device import pinned_bytes
 from ..plan import Plan, PlanError
 
 SHARDED = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
@@ -38,15 +39,15 @@ SHARDED = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads
 # zero:2/3 with fp16/bf16: FSDP2's MixedPrecisionPolicy gathers 16-bit parameters (techniques/zero.py), so a
 # block computes on them directly: autocast casts no fp32 weight (nothing in its cache) and backward keeps no
 # cast copy (the gathered parameter, freed and re-gathered, is what is saved). A single-process trace of the
-# same plan holds both; within :func:`gathered_in_half` the trace drops them (and shard_trace counts the
-# gathered copies at 16 bits).
+# same plan holds both; within :func:`gathered_in_half` the trace drops them, gives each block its inputs in
+# 16 bits as FSDP2 does (:func:`cast_block_inputs`), and shard_trace counts the gathered copies at 16 bits.
 _HALF_GATHER = [False]
 
 
 @contextlib.contextmanager
 def gathered_in_half(on: bool = True):
     """Within the block, traces run as FSDP2's 16-bit gathered parameters run: no autocast weight cache,
-    no cast copy of a parameter saved for backward (:data:`_HALF_GATHER`)."""
+    no cast copy of a parameter saved for backward, 16-bit block inputs (:data:`_HALF_GATHER`)."""
     prev, _HALF_GATHER[0] = _HALF_GATHER[0], on
     try:
         yield
@@ -55,7 +56,10 @@ def gathered_in_half(on: bool = True):
 
 
 def _cast_of_parameter(t: torch.Tensor) -> bool:
-    """True for autocast's copy of a leaf parameter (a ``_to_copy`` whose input is an AccumulateGrad leaf)."""
+    """True for autocast's copy of a leaf parameter (a ``_to_copy`` whose input is an AccumulateGrad leaf), or a
+    view of one: ``F.linear`` saves ``weight.t()`` for backward, a view whose own grad_fn is ``TBackward0``."""
+    if t._is_view() and t._base is not None:  # the cast copy the view keeps alive
+        t = t._base
     fn = t.grad_fn
     if fn is None or not type(fn).__name__.startswith("ToCopyBackward") or not fn.next_functions:
         return False
@@ -66,6 +70,25 @@ def _cast_of_parameter(t: torch.Tensor) -> bool:
 def _pack(t: torch.Tensor) -> torch.Tensor:
     # a stand-in of the same shape and dtype on a one-element storage (values never matter in a trace)
     return torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape) if _cast_of_parameter(t) else t
+
+
+def cast_block_inputs(module: torch.nn.Module, args: tuple, blocks: list[set[int]]) -> tuple | None:
+    """A forward pre-hook doing what ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does to each FSDP unit (a
+    block): its floating inputs in the 16-bit param_dtype (autocast's), so the residual stream inside the blocks --
+    and what they save for backward -- is 16-bit, where single-process autocast keeps it fp32 (gpt:12x128 with
+    bf16, batch 4 x 64: 1.5 of 13.8 MiB saved). ``blocks``: empty, then the ids of the blocks of the first module
+    called (the model)."""
+    if not blocks:
+        from ..models import blocks_of
+
+        try:
+            blocks.append({id(b) for b in blocks_of(module)})
+        except (ValueError, AttributeError, TypeError):
+            blocks.append(set())
+    if id(module) not in blocks[0] or not torch.is_autocast_enabled("cpu"):
+        return None
+    half = torch.get_autocast_dtype("cpu")
+    return tuple(a.to(half) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 @contextlib.contextmanager
@@ -82,11 +105,15 @@ def no_cast_copies():
         torch.set_autocast_cache_enabled(False)  # __exit__ restores what was before
         return out
 
+    blocks: list[set[int]] = []  # ids of the transformer blocks, found from the first (outermost) module called
     torch.autocast.__enter__ = enter
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: cast_block_inputs(module, args, blocks))
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
             yield
     finally:
+        hook.remove()
         torch.autocast.__enter__ = real
 
 
@@ -120,6 +147,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
       forward), a block's are gathered while it runs and freed after it, and in backward the next block
       is prefetched (current + next: two blocks). zero:2's gathered copies are its parameters (P above).
       These full-size copies sit beside the shards, filed under activations as the tracker files them.
+    * zero:2 and zero:3 in backward: block by block, :func:`fsdp_backward` (what is gathered, the gradient
+      shards and the reduce-scatter buffer as the blocks are done, the activations still saved).
 
     >>> t = {"breakdown": {"params": 40, "grads": 40, "optimizer": 80, "activations": 10, "other": 0},
     ...      "at_peak": {"params": 40, "grads": 40, "optimizer": 80, "activations": 0, "other": 0},
@@ -132,7 +161,7 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     """
     if not stage or world_size < 2:
         return
-    full = dict(t["breakdown"])  # single-process own peaks: P, G, K*psi
+    full, p32 = dict(t["breakdown"]), t["breakdown"]["params"]  # single-process own peaks: P, G, K*psi
     blocks = t.get("block_bytes") or []
     if half and stage > 1:  # MixedPrecisionPolicy: gathered at 16 bits (fp32 master shards)
         blocks = [b // 2 for b in blocks]
@@ -142,6 +171,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     kept = blocks[-1] if blocks else 0  # the last all-gather output of forward (see above)
     gathered = {2: {"forward": kept}, 3: {"forward": root + kept, "backward": root + 2 * block}}.get(stage, {})
     largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
+    single_bwd = t["phase_peaks"].get("backward")  # the single-process backward, before sharding
+    single_bwd = single_bwd and {k: dict(single_bwd[k]) for k in ("at_peak", "own") if k in single_bwd}
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):
             if k in d:
@@ -149,18 +180,166 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
         d["at_peak"] = zero_per_rank(d["at_peak"], stage, world_size, half)
     for phase, d in t["phase_peaks"].items():
         if stage == 1:  # DDP's buckets are the gradients from the start (+ a fresh one in backward, at most the largest)
-            fresh = d["at_peak"]["grads"] if phase == "backward" else 0
+            # the single-process trace's backward peak may come late (checkpoint: most gradients done), but DDP
+            # copies each fresh gradient into its bucket as it comes: at most one (the largest) is extra
+            fresh = ddp_fresh(d["at_peak"]["grads"], largest) if phase == "backward" else 0
             d["at_peak"]["grads"] = max(full["grads"], d["at_peak"]["grads"]) + fresh
             d["own"]["grads"] = max(d["own"]["grads"], d["at_peak"]["grads"], full["grads"] + (largest if fresh else 0))
         for k in ("at_peak", "own"):  # zero:2/3: FSDP2's all-gathered copies in use
             d[k]["activations"] += gathered.get(phase, 0)
         d["peak"] = sum(d["at_peak"].values())
+    at_bwd = fsdp_backward(single_bwd, t["phase_peaks"]["backward"]["at_peak"]["optimizer"], t["block_bytes"], p32,
+                           stage, world_size, half) if stage > 1 and blocks and single_bwd and "own" in single_bwd else None
+    if at_bwd is not None:  # FSDP2's backward, block by block
+        d = t["phase_peaks"]["backward"]
+        d["at_peak"], d["peak"] = at_bwd, sum(at_bwd.values())
+        for c in d["own"]:
+            d["own"][c] = max(d["own"][c], d["at_peak"][c]) if c in ("activations", "other") else d["own"][c]
+    _settle(t)
+
+
+def _settle(t: dict[str, Any]) -> None:
+    """The step's peak as the largest phase's; each category's own peak at least any phase's."""
     if t["phase_peaks"]:
         top = max(t["phase_peaks"], key=lambda p: t["phase_peaks"][p]["peak"])
         t["peak_phase"], t["at_peak"] = top, dict(t["phase_peaks"][top]["at_peak"])
         for c in t["breakdown"]:
             t["breakdown"][c] = max([t["breakdown"][c]] + [v["own"][c] for v in t["phase_peaks"].values() if "own" in v])
     t["peak_bytes"] = sum(t["at_peak"].values())
+
+
+def ddp_fresh(grads_at_peak: int, largest: int) -> int:
+    """zero:1's gradient beside DDP's buckets in backward: the single-process trace's backward peak may come late
+    (checkpoint: most gradients done, all of them in the buckets), but DDP copies each fresh gradient into its
+    bucket as it comes, so at most one -- the largest -- is extra.
+
+    >>> ddp_fresh(10_000, 1_000), ddp_fresh(500, 1_000)
+    (1000, 500)
+    """
+    return min(grads_at_peak, largest)
+
+
+SHALLOW = 2  # a trace with at most this many blocks: one a deep model's estimate is extrapolated from (scale.py)
+
+
+def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes: list[int], params: int, stage: int,
+                  world_size: int, half: bool) -> dict[str, int]:
+    """One rank's categories at the peak of FSDP2's backward (zero:2/3), from the single-process trace's backward
+    (``single``: its ``at_peak`` and ``own``, traced at the per-rank micro-batch) and the fp32 bytes of each block
+    (``block_bytes``, L of them) and of all parameters (``params``). Backward runs the blocks last to first; with
+    k of them done (k = 0 .. L-1) a rank holds:
+
+    * params: its shards, P/N; zero:2 also every gathered unit not yet done (the root's and blocks 0 .. L-k-1:
+      FSDP2's post-backward reshards a block even with reshard_after_forward=False); zero:3 the root's and at
+      most two blocks (the current one and the prefetched next), filed under activations as the tracker files
+      them. Gathered copies are 16-bit with fp16/bf16 (MixedPrecisionPolicy's param_dtype).
+    * grads: the fp32 gradient shards of the k done blocks (k * g_b / N) -- the reduce-scatter outputs.
+    * other: the reduce-scatter input of the last done block (full size, reduce_dtype fp32: FSDP2 keeps it
+      until the next reduce-scatter), and the unsharded gradients autograd holds (param_dtype): the root's and
+      the current block's partial ones -- what the single-process trace's peak holds beyond its k_p whole blocks
+      (g_p - k_p * g_b) -- plus the single trace's ``other`` at its peak (logits' gradient; with checkpoint the
+      block being recomputed).
+    * activations: those still saved, in proportion to the blocks not done: the single trace gives them at k_p
+      (its peak, where k_p whole blocks of gradients exist; with checkpoint the L - k_p block inputs kept, the
+      block being recomputed is in its ``other``), or, when it peaks at backward's end (k_p = L, nothing left),
+      at their own peak in backward (its start, k = 0).
+
+    The peak is the largest over k (k = k_p alone for L <= 2, the shallow traces a deep model's estimate is
+    extrapolated from: their argmax would move with depth). zero:3 peaks a block or more into backward: the gradient shards and the
+    reduce-scatter buffer grow while the gathered copies stay two blocks; zero:2 peaks early (each done block
+    frees its gathered copy, worth N times its gradient shard).
+
+    >>> at = fsdp_backward({"at_peak": {"params": 40, "grads": 0, "optimizer": 80, "activations": 8, "other": 2},
+    ...                     "own": {"params": 40, "grads": 40, "optimizer": 80, "activations": 8, "other": 2}},
+    ...                    40, [16, 16, 16], 56, 3, 2, False)
+    >>> at["grads"], at["other"], at["activations"]
+    (8, 18, 45)
+    """
+    at, own = single["at_peak"], single["own"]
+    c = 2 if half else 1  # gathered copies and unsharded gradients: param_dtype's bytes are fp32's / c
+    order = list(reversed(block_bytes))  # backward order; a block's fp32 gradient has its parameters' bytes
+    n_blocks, root = len(order), max(0, params - sum(block_bytes))
+    done, k_p = 0, 0
+    while k_p < n_blocks and done + order[k_p] <= at["grads"]:
+        done, k_p = done + order[k_p], k_p + 1
+    rest = at["grads"] - done  # the root's and a partial block's gradients at the single trace's peak (fp32)
+    shards = -(-params // world_size)
+    if n_blocks <= SHALLOW:  # the traces a deep model is extrapolated from (scale.by_depth, at depth 1 and 2): every
+        # term affine in depth. The reduce-scatter buffer where the trace peaks late (most activations gone, as
+        # with checkpoint) at both depths, though k_p reaches 1 only at depth 2 there
+        scatter = max(order) if k_p or 2 * at["activations"] < own["activations"] else 0
+        if stage == 2:  # a deep zero:2 peaks one block in (k = 1): all but one block still gathered, backward's
+            return {"params": shards + (root + sum(order) - max(order)) // c,  # activations nearly all there
+                    "grads": -(-max(order) // world_size), "optimizer": optimizer,
+                    "activations": own["activations"], "other": at["other"] + rest // c + max(order)}
+        return {"params": shards, "grads": -(-sum(order[:k_p]) // world_size), "optimizer": optimizer,  # at k_p
+                "activations": at["activations"] + (root + 2 * max(order)) // c,  # two blocks, as at depth L
+                "other": at["other"] + rest // c + scatter}
+    best: dict[str, int] = {}
+    for k in range(n_blocks):
+        if k_p < n_blocks:  # what the L - k_p blocks not done at the trace's peak saved, per block remaining
+            acts = at["activations"] * (n_blocks - k) // (n_blocks - k_p)
+        else:  # the trace peaks at backward's end (none left): from their peak, at its start
+            acts = own["activations"] * (n_blocks - k) // n_blocks
+        pending = order[k:]  # blocks not yet done (the current one first)
+        cats = {"params": shards + ((root + sum(pending)) // c if stage == 2 else 0),
+                "grads": -(-sum(order[:k]) // world_size),
+                "optimizer": optimizer,
+                "activations": acts + ((root + sum(pending[:2])) // c if stage == 3 else 0),
+                "other": at["other"] + rest // c + (order[k - 1] if k else 0)}
+        if sum(cats.values()) > sum(best.values()):
+            best = cats
+    return best
+
+
+# ----- zero:3 with offload:params / offload:optimizer: FSDP2's CPUOffloadPolicy ------------------------------
+def fsdp_offload_plan(traced: Plan, plan: Plan) -> Plan:
+    """What to trace for zero:3 with offload: FSDP2's ``CPUOffloadPolicy`` streams no block and recomputes none
+    (colabkit's own ``offload:params`` does, so its GPU trace adds ``checkpoint``): the plan as it is.
+
+    >>> str(fsdp_offload_plan(Plan.parse("bf16+checkpoint"), Plan.parse("bf16+offload:params")))
+    'bf16'
+    """
+    if "checkpoint" in plan:
+        return traced
+    return Plan.parse([k for k in traced.tokens if k.partition(":")[0] != "checkpoint"] or "baseline")
+
+
+def cpu_offload(t: dict[str, Any], world_size: int, pinned: bool) -> dict[str, int]:
+    """zero:3 with ``CPUOffloadPolicy``, on one rank's trace ``t`` (after :func:`shard_trace`), in place: the
+    sharded parameters, their gradients and the optimizer state live in host RAM (torch's FSDP2 docs: "offloads
+    parameters, gradients, and optimizer states to CPU"; the optimizer step runs there), so the GPU keeps what
+    FSDP2 puts there for compute: the gathered 16/32-bit copies (root unit, current and prefetched block), the
+    unsharded gradients before their reduce-scatter and its buffers, and the activations. Returns the rank's
+    host RAM by category: each parameter's shard (dim 0 padded to a multiple of N rows) fp32, pinned on a GPU
+    (``pin_memory()``: each rounded up to a power of two); the gradient shard the same (the reduce-scatter
+    output is copied to pinned host memory with ``non_blocking``); the optimizer state pageable (allocated by
+    the optimizer on the host), its per-rank share from the trace.
+
+    >>> t = {"breakdown": {"params": 6, "grads": 6, "optimizer": 12, "activations": 9, "other": 1},
+    ...      "trainable_shapes": [(3, 1)], "frozen": [], "phase_peaks": {"backward": {"peak": 0,
+    ...      "at_peak": {"params": 6, "grads": 2, "optimizer": 12, "activations": 9, "other": 1}}}}
+    >>> t["at_peak"] = dict(t["phase_peaks"]["backward"]["at_peak"])
+    >>> cpu_offload(t, 2, pinned=True), t["peak_bytes"]
+    ({'params': 8, 'grads': 8, 'optimizer': 12}, 10)
+    """
+    host = {"params": 0, "grads": 0, "optimizer": t["breakdown"]["optimizer"]}
+    for shape in t["trainable_shapes"]:
+        rows = shape[0] if shape else 1
+        shard = 4 * -(-rows // world_size) * (math.prod(shape) // max(rows, 1))  # fp32 master shard
+        host["params"] += pinned_bytes(shard) if pinned else shard
+        host["grads"] += pinned_bytes(shard) if pinned else shard
+    host["params"] += sum(-(-n * size // world_size) for n, _, size in t.get("frozen", ()))  # frozen: no gradient
+    for d in [t] + list(t["phase_peaks"].values()):
+        for k in ("breakdown", "own", "at_peak"):
+            if k in d:
+                d[k].update(params=0, grads=0, optimizer=0)
+    if "optimizer" in t["phase_peaks"]:  # the step and its temporaries run on the host
+        t["phase_peaks"]["optimizer"]["at_peak"]["other"] = 0
+    for d in t["phase_peaks"].values():
+        d["peak"] = sum(d["at_peak"].values())
+    _settle(t)
+    return host
 
 
 def comm_elements(params: int, stage: int | None, world_size: int) -> int:
