@@ -91,6 +91,16 @@ def _deterministic(args: argparse.Namespace) -> bool:
     return True
 
 
+def _no_offload_sim_on_ranks(args: argparse.Namespace) -> None:
+    """``--offload-sim`` with ``--world-size``: refused, not dropped (the ranks run zero:3's offload as FSDP2's
+    CPUOffloadPolicy, which keeps the shards in CPU memory -- on a CPU run the device itself)."""
+    if getattr(args, "offload_sim", False) and getattr(args, "world_size", 1) > 1:
+        raise ValueError("--offload-sim with --world-size: the ranks offload through FSDP2's CPUOffloadPolicy, which "
+                         "keeps the shards in CPU memory -- on a CPU run the device itself, so there is nothing to "
+                         "simulate. For the per-rank GPU and host figures run `python -m colabkit estimate "
+                         "--world-size N --gpu t4 --plan zero:3+offload:optimizer`; drop one of the two flags")
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     _run_args(p, steps=2)
     p.add_argument("--plan", action="append", help="plan tokens joined by '+' (default baseline); repeat for several plans")
@@ -103,6 +113,7 @@ def _bench(args: argparse.Namespace) -> dict:
     check_sizes(args.batch, args.seq, args.steps)  # refused like train's, before any plan runs
     check_context(args.model, args.seq)
     det = _deterministic(args)
+    _no_offload_sim_on_ranks(args)
     if "auto" in (args.plan or []):  # the fastest plan predicted to fit, for this machine (colabkit.estimate.auto)
         from .estimate.auto import choose
 
@@ -195,6 +206,7 @@ def _train(args: argparse.Namespace) -> dict:
         raise ValueError(f"train takes one --plan (got {len(args.plan)}): join tokens with '+'; to compare plans use bench")
     check_sizes(args.batch, args.seq, args.steps)
     det = _deterministic(args)
+    _no_offload_sim_on_ranks(args)
     if args.t4:
         emulate_t4()
     from .distributed import torchrun_world

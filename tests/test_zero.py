@@ -203,6 +203,30 @@ def test_cli_world_size_refuses_before_spawning(capsys):
     assert "does not split over 2 ranks" in capsys.readouterr().err
 
 
+def test_zero3_offload_pairs_get_true_reasons(capsys):
+    """zero:3's offload is FSDP2's CPUOffloadPolicy, not colabkit's block streamer: the streamer's refusals
+    (offload:params recomputes each block, so no checkpoint) are false there and do not apply; on a CPU the
+    ranks' shards would stay in CPU memory, the device itself, so offload is refused saying so -- and
+    --offload-sim, which the ranks cannot honour, is refused with --world-size instead of being dropped.
+    Controls: the streamer's refusal still holds without zero; a single-process --offload-sim still runs."""
+    from colabkit.__main__ import main
+
+    gpu = Context(device=torch.device("cuda"))  # the check alone: no tensor is made on it
+    REGISTRY["offload"].check(Plan.parse("zero:3+offload:params+checkpoint"), gpu)
+    with pytest.raises(PlanError, match="already recomputes each block"):
+        REGISTRY["offload"].check(Plan.parse("offload:params+checkpoint"), gpu)
+    with pytest.raises(PlanError, match="CPUOffloadPolicy.*device itself"):
+        REGISTRY["offload"].check(Plan.parse("zero:3+offload:params+checkpoint"), Context(device=torch.device("cpu")))
+    with pytest.raises(PlanError, match="only zero:3"):  # zero:1's own reason, not the CPU one
+        Plan.parse("zero:1+offload:optimizer").check(Context(device=torch.device("cpu"), offload_sim=True))
+    args = ["--model", MODEL, "--plan", "zero:3+offload:optimizer", "--batch", "8", "--seq", str(SEQ),
+            "--world-size", "2", "--device", "cpu", "--offload-sim"]
+    assert main(["bench", *args]) == 2 and "--offload-sim with --world-size" in capsys.readouterr().err
+    assert main(["train", *args, "--steps", "1"]) == 2 and "--offload-sim with --world-size" in capsys.readouterr().err
+    assert main(["bench", "--model", MODEL, "--plan", "offload:optimizer", "--batch", "2", "--seq", str(SEQ),
+                 "--device", "cpu", "--offload-sim", "--steps", "1"]) == 0
+
+
 # ----- the per-rank estimate at depth: FSDP2 gathers the root unit, the current block and the next one ------
 # fast: one plan per term of the estimate that a plain zero:N does not reach (at gpt:4x64 the other terms are
 # within 5% either way: their controls run at the issue's sizes, in the slow twin)

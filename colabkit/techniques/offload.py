@@ -73,6 +73,13 @@ def _parse(arg: str | None) -> str:
 
 def _check(plan: Plan, ctx: Context) -> None:
     kinds = sorted(plan.get("offload", ()))
+    if kinds and not ctx.cuda and "zero" in plan:
+        if plan.get("zero") != 3 or set(kinds) - {"params", "optimizer"}:
+            return  # a pair zero's own check refuses, with its reason (only zero:3 offloads, through FSDP2)
+        raise PlanError("'zero:3' with offload on a CPU run: the ranks offload through FSDP2's CPUOffloadPolicy, "
+                        "which keeps the shards in CPU memory -- the device itself here, so there is nothing to "
+                        "offload or to simulate. Drop the offload tokens, or see `python -m colabkit estimate "
+                        "--world-size N --gpu t4` for the per-rank GPU and host figures")
     if kinds and not ctx.cuda and not ctx.offload_sim:
         names = " + ".join(f"'offload:{k}'" for k in kinds)
         raise PlanError(f"{names} on a CPU run: there is nothing to offload to — the tensors already live in host "
@@ -89,7 +96,7 @@ def _check(plan: Plan, ctx: Context) -> None:
     if "activations" in kinds and "compress" in plan:
         raise PlanError("'offload:activations' and 'compress:int8' both rewrite the tensors saved for backward and "
                         "would not compose (the inner one wins): keep one")
-    if "params" in kinds:
+    if "params" in kinds and "zero" not in plan:  # the block streamer's rules (zero:3: FSDP2 moves the shards)
         if "checkpoint" in plan:
             raise PlanError("'offload:params' already recomputes each block in backward (its weights are fetched "
                             "again): drop 'checkpoint'")
@@ -98,6 +105,7 @@ def _check(plan: Plan, ctx: Context) -> None:
                             "host after the block is recomputed, outside fused-step's per-parameter hooks, so their "
                             "parameters would be stepped twice: drop 'fused-step' (offload:params keeps no block "
                             "gradients on the GPU anyway)")
+    if "params" in kinds:
         if "lora" in plan or "qlora" in plan:
             raise PlanError("'offload:params' with lora/qlora is not supported: the frozen base is already small "
                             "in qlora; drop one")
