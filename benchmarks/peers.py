@@ -251,7 +251,7 @@ def tracker_row(cfg: dict) -> dict:
 
 def estimate_row(cfg: dict) -> dict:
     """colabkit.estimate (fp16+checkpoint on a T4, warm: imports and optimizer profiles loaded, but its trace and
-    FLOP-count caches cleared before every call, so each call traces anew) against accelerate's
+    FLOP-count caches cleared before every call and the trace cache on disk off, so each call traces anew) against accelerate's
     calculate_maximum_sizes on the same model built on the meta device (parameters only)."""
     from accelerate.utils import calculate_maximum_sizes
 
@@ -267,8 +267,16 @@ def estimate_row(cfg: dict) -> dict:
     def accelerate():
         calculate_maximum_sizes(build_meta(name, seq=seq))
 
-    t = interleaved({"colabkit.estimate": ours, "accelerate calculate_maximum_sizes": accelerate},
-                    warmup=1, repeats=cfg["est_repeats"])
+    was = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = "off"  # a new question: no trace on disk either (colabkit.estimate.trace_cache)
+    try:
+        t = interleaved({"colabkit.estimate": ours, "accelerate calculate_maximum_sizes": accelerate},
+                        warmup=1, repeats=cfg["est_repeats"])
+    finally:
+        if was is None:
+            os.environ.pop(TRACE_ENV)
+        else:
+            os.environ[TRACE_ENV] = was
     return {"kind": "estimate", "what": f'colabkit.estimate("{name}", "fp16+checkpoint", batch=1, seq={seq}, gpu="t4")',
             "peer": "accelerate calculate_maximum_sizes", "timings": {n: _timing(v) for n, v in t.items()},
             "ratios": {"accelerate calculate_maximum_sizes": ratio(t, "colabkit.estimate",

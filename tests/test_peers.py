@@ -58,6 +58,29 @@ def _forked_cli(calls: list):
     return run
 
 
+def test_estimate_row_traces_every_call(tmp_path, monkeypatch):
+    """The in-process estimate row times a new question: every call traces, even with the trace cache on disk
+    switched on (as on a user's machine). Control: with the row's own switch-off undone, calls after the
+    first are answered from the disk."""
+    import importlib
+
+    peers = _benchmark_script("peers")
+    trace_mod = importlib.import_module("colabkit.estimate.trace")
+    cfg = peers.SIZES["quick"]
+    monkeypatch.setenv("COLABKIT_TRACE_CACHE", str(tmp_path))
+    calls = []
+    real = trace_mod.trace
+    monkeypatch.setattr(trace_mod, "trace", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    peers.estimate_row(cfg)
+    per_call = len(calls) // (1 + cfg["est_repeats"])
+    assert per_call >= 1 and len(calls) == per_call * (1 + cfg["est_repeats"])
+    assert os.environ["COLABKIT_TRACE_CACHE"] == str(tmp_path)  # restored after the row
+    calls.clear()
+    monkeypatch.setattr(peers, "TRACE_ENV", "COLABKIT_NOT_THE_SWITCH")  # control: the disk cache answers
+    peers.estimate_row(cfg)
+    assert len(calls) < per_call * (1 + cfg["est_repeats"])
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the CLI row's child is forked")
 def test_peers_quick_rows_in_process(tmp_path, monkeypatch, capsys):
     """Fast twin of test_peers_quick_runs_every_row: ``peers.py --quick`` through its ``main(argv)`` in this process,
