@@ -214,7 +214,7 @@ def _cli_figures(tmp_path, monkeypatch, n: int, rank: int) -> None:
 
 @pytest.mark.slow  # fast twin: test_cli_meets_the_done_when_figures_at_rank_8
 def test_cli_meets_the_done_when_figures(tmp_path, monkeypatch):
-    _cli_figures(tmp_path, monkeypatch, 2048, 16)  # the N and r: its exact SVD refinements take seconds
+    _cli_figures(tmp_path, monkeypatch, 2048, 16)  # the N and r (exact recovery: no full SVD, see above)
 
 
 def test_cli_meets_the_done_when_figures_at_rank_8(tmp_path, monkeypatch):
