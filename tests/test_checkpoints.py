@@ -227,17 +227,11 @@ RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _save_peak(tmp_path, model: str, fork: bool = False) -> dict:
-    """RSS_SCRIPT in a fresh interpreter, or (fork=True) in a forked child of this process: the same
-    script and count from the child's own start, without the interpreter's imports (~5 s CPU)."""
+def _save_peak(tmp_path, model: str) -> dict:
+    """RSS_SCRIPT in a forked child of this process (tests/forking.py): the count starts from the child's
+    own RSS, without a fresh interpreter's imports (~5 s CPU)."""
     pytest.importorskip("psutil")
-    if fork:
-        out = run_script(RSS_SCRIPT, [str(tmp_path), model])
-    else:
-        p = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), model], env=ENV, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-2000:]
-        out = p.stdout
+    out = run_script(RSS_SCRIPT, [str(tmp_path), model])
     r = json.loads(out.strip().splitlines()[-1])
     print(r)
     return r
@@ -246,9 +240,8 @@ def _save_peak(tmp_path, model: str, fork: bool = False) -> dict:
 def test_save_peak_host_memory_is_small_gpt_4x512(tmp_path):
     """Fast twin of the test below at 1/11 of its size: gpt:4x512 with AdamW state (~13M params, 0.16 GB),
     the same bounds (<= 10% of the checkpoint; the negative control ~ its size). Measured: the save 1 MB,
-    torch.save into memory 53 MB (CPU, 2026-11-26). Run in a fork of the test process (the slow test: a fresh
-    interpreter)."""
-    r = _save_peak(tmp_path, "gpt:4x512", fork=True)
+    torch.save into memory 53 MB (CPU, 2026-11-26). Run in a fork of the test process, as the slow test is."""
+    r = _save_peak(tmp_path, "gpt:4x512")
     assert r["size"] > 0.15e9  # ~13M params x (4 + 8) bytes
     assert r["delta"] <= 0.10 * r["size"]
     assert r["old_delta"] >= 0.8 * r["old_size"]  # the sampling sees a save that holds the bytes in memory
@@ -258,7 +251,8 @@ def test_save_peak_host_memory_is_small_gpt_4x512(tmp_path):
 def test_save_peak_host_memory_is_small(tmp_path):
     """gpt:12x1024 with AdamW state: the save raises RSS by <= 10% of the checkpoint (psutil sampling
     around the save only, after the model and state exist); torch.save into memory, the negative control,
-    raises it by about the checkpoint's size."""
+    raises it by about the checkpoint's size. In a forked child like its twin: the count is a rise over the
+    child's own RSS just before the save, so a fresh interpreter's imports (~3 s of CPU) buy nothing."""
     r = _save_peak(tmp_path, "gpt:12x1024")
     assert r["size"] > 1.5e9  # ~151M params x (4 + 8) bytes
     assert r["delta"] <= 0.10 * r["size"]

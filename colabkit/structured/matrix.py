@@ -64,8 +64,10 @@ def _svd_r(A: torch.Tensor, rank: int, exact: bool = True) -> tuple[torch.Tensor
         return P[:, :rank] * s[:rank], Qh[:rank].T.contiguous()
     with torch.random.fork_rng(devices=[]):  # deterministic sketch, the caller's RNG untouched
         torch.manual_seed(0)
-        P, s, Q = torch.svd_lowrank(A, q=min(rank + 10, min(A.shape)), niter=2)
-    return P[:, :rank] * s[:rank], Q[:, :rank].contiguous()
+        # in float64 (N x (r+10) sketches: cheap): a float32 sketch of an exactly rank-r A left 1.0e-6 of rounding
+        # at N=2048, r=16, just above from_dense's tol -- three full O(N³) SVDs then ran and were all discarded
+        P, s, Q = torch.svd_lowrank(A.double(), q=min(rank + 10, min(A.shape)), niter=2)
+    return (P[:, :rank] * s[:rank]).to(A.dtype), Q[:, :rank].to(A.dtype).contiguous()
 
 
 def _band_of_lowrank(A: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
