@@ -92,6 +92,13 @@ def test_terms_by_plan():
     assert "nf4_dequant" not in base
     hf = ov.terms(t4, "baseline", shapes, 2**30, transformers_model=True)
     assert hf["cuda_context"].nbytes - base["cuda_context"].nbytes == ov.CONTEXT_LADDER["transformers"][0]
+    # adamw8bit loads bitsandbytes' kernels only where bitsandbytes steps it (make_optimizer's rule): under
+    # fused-step colabkit's own 8-bit kernel (plain torch) steps it, so no bitsandbytes context (control: without)
+    bnb = ov.terms(t4, "adamw8bit", shapes, 2**30)["cuda_context"].nbytes
+    own = ov.terms(t4, "adamw8bit+fused-step", shapes, 2**30)["cuda_context"].nbytes
+    assert bnb - base["cuda_context"].nbytes == ov.CONTEXT_LADDER["bitsandbytes"][0]
+    assert own == base["cuda_context"].nbytes
+    assert ov.terms(t4, "paged-adamw8bit", shapes, 2**30)["cuda_context"].nbytes == bnb  # bitsandbytes' only
 
 
 def test_estimate_json_has_overheads_and_device_need(monkeypatch, tmp_path):

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 
 from ..env import GPU_PROFILES  # noqa: F401  (doctest)
 from ..plan import Plan
+from .substitutes import steps_own_8bit_kernel  # make_optimizer's rule (adamw8bit_kernel), asked
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 
@@ -99,15 +100,22 @@ class Term:
         return asdict(self)
 
 
-def libraries(plan: Plan | str, transformers_model: bool = False) -> list[str]:
-    """The libraries whose kernels a training run of ``plan`` loads into the CUDA context.
+def libraries(plan: Plan | str, transformers_model: bool = False, profile: dict | None = None) -> list[str]:
+    """The libraries whose kernels a training run of ``plan`` loads into the CUDA context (on ``profile``'s GPU:
+    adamw8bit loads bitsandbytes only where bitsandbytes steps it -- not under fused-step or offload:params,
+    where colabkit's own 8-bit kernel does, plain torch).
 
     >>> libraries("qlora:16+checkpoint"), libraries("baseline", transformers_model=True)
     (['torch', 'cublas', 'bitsandbytes'], ['torch', 'cublas', 'transformers'])
+    >>> libraries("adamw8bit", profile={"key": "t4"}), libraries("adamw8bit+fused-step", profile={"key": "t4"})
+    (['torch', 'cublas', 'bitsandbytes'], ['torch', 'cublas'])
     """
     plan = Plan.parse(plan)
     libs = ["torch", "cublas"]  # every training step runs GEMMs
-    if any(t.partition(":")[0] in ("adamw8bit", "paged-adamw8bit", "lion8bit", "lion", "qlora") for t in plan.tokens):
+    bnb = {t.partition(":")[0] for t in plan.tokens} & {"adamw8bit", "paged-adamw8bit", "lion8bit", "lion", "qlora"}
+    if bnb == {"adamw8bit"} and steps_own_8bit_kernel(plan, profile or {}):
+        bnb = set()
+    if bnb:
         libs.append("bitsandbytes")
     if transformers_model:
         libs.append("transformers")
@@ -176,7 +184,7 @@ def terms(profile: dict[str, Any], plan: Plan | str, trainable_shapes: Iterable[
     frozen = list(frozen)
     out: dict[str, Term] = {}
 
-    libs = libraries(plan, transformers_model)
+    libs = libraries(plan, transformers_model, profile)
     if calibrated and calibrated.get("context_bytes") is not None:
         ctx = int(calibrated["context_bytes"]) + sum(CONTEXT_LADDER[lib][0] for lib in libs
                                                      if lib not in calibrated.get("libraries", ()))
@@ -221,8 +229,6 @@ def terms(profile: dict[str, Any], plan: Plan | str, trainable_shapes: Iterable[
 
 
 def _optimizer_step(plan: Plan, trainable_shapes: list[tuple[int, ...]], profile: dict | None = None) -> Term:
-    from .substitutes import steps_own_8bit_kernel  # make_optimizer's rule (adamw8bit_kernel), asked
-
     opt = plan.optimizer
     n = sum(math.prod(s) for s in trainable_shapes)
     if "optimizer" in (plan.get("offload") or ()):
