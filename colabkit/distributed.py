@@ -105,8 +105,42 @@ def _run_rank(fn: Callable, args: tuple) -> Any:
     return result
 
 
+def _stderr_into(path: str) -> int:
+    """This process's standard error (fd 2: Python's and C++'s, e.g. a ``terminate called ...`` before an abort)
+    written to ``path`` until :func:`_stderr_back`; returns the saved fd. A rank killed by a signal leaves its
+    last words there for :func:`launch` to report."""
+    saved = os.dup(2)
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return saved
+
+
+def _stderr_back(saved: int, path: str) -> None:
+    """Standard error restored, and what the rank wrote meanwhile passed on to it (warnings arrive at the end)."""
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    with open(path, "rb") as f:
+        written = f.read()
+    if written:
+        os.write(2, written)
+
+
+def _last_words(path: str, limit: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+    return text[-limit:]
+
+
 def _entry(rank: int, world_size: int, backend: str, out_dir: str, parent: int, fn: Callable, args: tuple) -> None:
     die_with_parent(parent)
+    err = os.path.join(out_dir, f"rank{rank}.err")
+    saved = _stderr_into(err)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -117,7 +151,10 @@ def _entry(rank: int, world_size: int, backend: str, out_dir: str, parent: int, 
     # launch's store died with SIGABRT ("terminate called without an active exception")
     dist.init_process_group(backend, init_method="file://" + os.path.join(out_dir, "store"), rank=rank,
                             world_size=world_size)
-    result = _run_rank(fn, args)
+    try:
+        result = _run_rank(fn, args)
+    finally:
+        _stderr_back(saved, err)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -143,8 +180,13 @@ def launch(fn: Callable, world_size: int, *args: Any, device: str | None = None,
                if backend == "nccl" else "CUDA was initialised in this process: a forked rank cannot use CUDA")
         raise PlanError(f"launch(start_method='fork'): {why}; use start_method='spawn'")
     with tempfile.TemporaryDirectory(prefix="colabkit-ranks-") as out:
-        mp.start_processes(_entry, args=(world_size, backend, out, os.getpid(), fn, args),
-                           nprocs=world_size, join=True, start_method=start_method)
+        try:
+            mp.start_processes(_entry, args=(world_size, backend, out, os.getpid(), fn, args),
+                               nprocs=world_size, join=True, start_method=start_method)
+        except mp.ProcessExitedException as e:  # killed by a signal or os._exit: no Python traceback to show
+            words = {r: _last_words(os.path.join(out, f"rank{r}.err")) for r in range(world_size)}
+            said = "".join(f"\n--- rank {r}'s last output ---\n{w}" for r, w in words.items() if w)
+            raise RuntimeError(f"launch: {e}" + (said or " (no output on its standard error)")) from e
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]
 
 

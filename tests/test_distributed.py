@@ -228,6 +228,32 @@ def test_launch_spawns_unless_told_and_never_forks_after_cuda(monkeypatch):
     assert started == ["spawn", "fork", "spawn", "spawn"]
 
 
+def aborting_rank(word: str) -> float:
+    """Rank 1 says something on its standard error, as C++ does before an abort, then dies by SIGABRT."""
+    if dist.get_rank() == 1:
+        import faulthandler
+
+        faulthandler.disable()  # pytest's dump of the abort would go to the test's own output
+        os.write(2, f"terminate called: {word}\n".encode())
+        os.abort()
+    return 1.0
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_last_output(capfd):
+    """A rank that dies by a signal leaves no Python traceback (torch only says "terminated with signal
+    SIGABRT"): launch reports what it last wrote on its standard error (notebook 11 once lost a rank so, cause
+    unknown). Control: a rank that lives passes its standard error on, after it ends."""
+    with pytest.raises(RuntimeError, match=r"(?s)SIGABRT.*rank 1's last output.*terminate called: gloo-says-bye"):
+        launch(aborting_rank, 2, "gloo-says-bye", device="cpu", start_method="fork")
+    assert launch(warning_rank, 2, device="cpu", start_method="fork") == [0, 1]
+    assert capfd.readouterr().err.count("a rank's warning") == 2
+
+
+def warning_rank() -> int:
+    os.write(2, b"a rank's warning\n")
+    return dist.get_rank()
+
+
 # ----- launches at once --------------------------------------------------------------------------
 def summed_rank(value: float) -> float:
     """This launch's ranks each add ``value`` (+ their rank): the sum says which group they met in."""
