@@ -199,6 +199,7 @@ class MemoryTracker(Ledger):
         self._events: list[tuple[int, int]] = []  # (uid, +/- bytes) since the last fold
         self._awaiting: list[dict] = []  # samples whose phase's category peaks the next fold gives them
         self._phase = "setup"
+        self._segment: str | None = None  # off until set (segment()): each phase then starts at "pre"
         self._step = 0
         self._total = 0
         self._host_total = 0
@@ -264,10 +265,12 @@ class MemoryTracker(Ledger):
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator["MemoryTracker"]:
         """Label allocations made inside the block: 'forward' ones count as activations."""
-        prev = self._phase
+        prev, prev_segment = self._phase, self._segment
         if step is not None:
             self._step = step
         self._phase, self._phase_max = name, self._current()
+        if prev_segment is not None:
+            self._segment = "pre"
         if self.is_cuda:  # this phase's CUDA peak starts here, not at the last reset
             self._cuda_fold()
             self._cuda_open.append(self._cuda.allocated())
@@ -280,7 +283,18 @@ class MemoryTracker(Ledger):
                 self._cuda_fold()
                 cuda_peak = self._cuda_open.pop()
             self._sample(name, cuda_peak)
-            self._phase = prev
+            self._phase, self._segment = prev, prev_segment
+
+    def segment(self, label: str | None) -> None:
+        """Label allocations from now on with where they happen in the model's repeated structure (the
+        estimator's traces: ``"b0"``, ``"bmid"``, ``"bN"`` for the first, a middle and the last block, ``"pre"``
+        and ``"post"`` around them); ``report()["segment_peaks"]`` then gives each (phase, segment)'s peak.
+        Each phase starts at ``"pre"``; None switches labelling off."""
+        self._segment = label
+
+    @property
+    def current_segment(self) -> str | None:
+        return self._segment
 
     @property
     def current_phase(self) -> str:
@@ -329,7 +343,7 @@ class MemoryTracker(Ledger):
             self._uid += 1
             key = self._uid
             self._ids[id(st)] = key
-            self._infos[key] = _Info(n, self._phase, op, self._step, kind, host=host)
+            self._infos[key] = _Info(n, self._phase, op, self._step, kind, host=host, segment=self._segment)
             self._events.append((key, n))
             if host:
                 self._host_total += n

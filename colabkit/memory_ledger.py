@@ -25,6 +25,7 @@ class _Info:
     kind: str | None = None  # params/grads/optimizer once known; None -> decided by phase
     dead: bool = False
     host: bool = False  # host side (offload): counted in host_bytes, not the device's peak
+    segment: str | None = None  # where in the model's repeated structure it was made (``MemoryTracker.segment``)
 
     @property
     def category(self) -> str:
@@ -93,6 +94,8 @@ class Ledger:
             self._step_at_peak = self._step
             # per phase of allocation: the total's peak, the categories then, and each category's own peak
             self._phase_peaks: dict[str, dict[str, Any]] = {}
+            # per (phase, segment): the total's peak and the categories then (only where segments are labelled)
+            self._segment_peaks: dict[tuple[str, str], dict[str, Any]] = {}
 
     def _fold(self) -> None:
         """Replay pending events with final categories into the running peaks, then drop them."""
@@ -135,6 +138,10 @@ class Ledger:
                     for k, v in cats.items():
                         if v > own[k]:
                             own[k] = v
+                    if info.segment is not None:
+                        sp = self._segment_peaks.setdefault((phase, info.segment), {"peak": 0, "at_peak": None})
+                        if total > sp["peak"]:
+                            sp["peak"], sp["at_peak"] = total, dict(cats)
                 elif info.dead:  # (a storage resized smaller is still alive)
                     dead.append(key)
             for key in dead:
@@ -215,6 +222,11 @@ class Ledger:
             "host_bytes": self._host_peak,  # host side (offload), each category's peak below
             "host_breakdown": dict(self._host_cat_peak),
         }
+        if self._segment_peaks:  # {phase: {segment: {"peak", "at_peak"}}}
+            seg: dict[str, dict[str, Any]] = {}
+            for (p, g), v in self._segment_peaks.items():
+                seg.setdefault(p, {})[g] = {"peak": v["peak"], "at_peak": dict(v["at_peak"])}
+            r["segment_peaks"] = seg
         if self.is_cuda:  # max_memory_allocated over the window, folded across the per-phase resets
             self._cuda_fold()
             r["peak_bytes"] = self._cuda_peak

@@ -69,6 +69,7 @@ def _narrow(func, args) -> int | None:
         return None
     (m, k), n = a.shape, b.shape[1]
     return narrow_key(m, k, n, a.dtype) if min(m, k, n) <= NARROW else None
+_DEVICE = torch.ops.prim.device.default
 _FREE = {_aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten._local_scalar_dense.default}
 # Tokens that do not change the kernels of one step on one device: applied as bytes moved instead
 _NOT_COMPUTE = ("offload", "zero")
@@ -111,6 +112,10 @@ class Traffic(TorchDispatchMode):
         self.by_size: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and hasattr(args[0], "fake_device"):
+            # a fake tensor's .device (autograd asks for every gradient: more calls than all kernels together):
+            # no kernel, answered here rather than by every mode below (as trace._HostScalars does)
+            return args[0].fake_device
         out = func(*args, **(kwargs or {}))
         kind = _KINDS.get(func)
         if kind is None:

@@ -96,6 +96,54 @@ def _stream_block_grads(model: torch.nn.Module) -> None:
         p.register_post_accumulate_grad_hook(_grad_to_host)
 
 
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    """The hidden states among a block's inputs or outputs (a tensor, or the first of a tuple: HF layers)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return next((t for t in x if isinstance(t, torch.Tensor)), None) if isinstance(x, (tuple, list)) else None
+
+
+def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
+    """Label the trace's allocations by where they happen: ``pre`` (embedding; in backward the loss and
+    head), ``b0``/``bmid``/``bN`` (inside the first, a middle, the last block: forward, its backward and
+    checkpointing's recompute there), ``post`` (the head; in backward the embedding). Every block is the same,
+    so each segment's peak is affine in depth, while a phase's peak is the largest of them and may move from
+    one to another as the model deepens (:func:`_affine`). Forward pre-hooks mark a block's start (also its
+    recompute in backward); in backward a block's end is the gradient of its input, its start that of its
+    output (the last block's) or of the next block's input."""
+    try:
+        blocks = list(blocks_of(model))
+    except (ValueError, AttributeError, TypeError):
+        return
+    n = len(blocks)
+    label = lambda k: "b0" if k == 0 else "bN" if k == n - 1 else "bmid"  # noqa: E731
+
+    def on_grad(to: str) -> Callable[[torch.Tensor], None]:
+        return lambda grad: tracker.segment(to)
+
+    def start(k: int) -> Callable:
+        def hook(module, args):
+            tracker.segment(label(k))
+            x = _first_tensor(args) if tracker.current_phase == "forward" else None
+            if x is not None and x.requires_grad:  # backward leaves block k when this gradient is complete
+                x.register_hook(on_grad(label(k - 1) if k else "post"))
+        return hook
+
+    def end(module, args, out):
+        if tracker.current_phase != "forward":  # a recompute in backward: still inside the last block
+            return
+        tracker.segment("post")
+        y = _first_tensor(out)
+        if y is not None and y.requires_grad:  # backward enters the last block
+            y.register_hook(on_grad(label(n - 1)))
+
+    for k, b in enumerate(blocks):
+        b.register_forward_pre_hook(start(k))
+    if blocks:
+        blocks[-1].register_forward_hook(end)
+        tracker.segment("pre")
+
+
 _DEVICE = torch.ops.prim.device.default
 
 
@@ -142,7 +190,31 @@ def _swap_by_data():
         tu.swap_tensors = real
 
 
+_INITS = ("constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_", "ones_", "orthogonal_",
+          "sparse_", "trunc_normal_", "uniform_", "xavier_normal_", "xavier_uniform_", "zeros_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """``torch.nn.init``'s in-place initialisers as no-ops (as transformers' ``no_init_weights``): a fake
+    parameter has no values to initialise, and each initialiser is a fake op (with the tracker's and the
+    counter's dispatch) that allocates nothing -- a tenth of a small trace's time."""
+    real = {n: getattr(torch.nn.init, n) for n in _INITS}
+    for n in _INITS:
+        setattr(torch.nn.init, n, lambda tensor, *a, **k: tensor)
+    try:
+        yield
+    finally:
+        for n, f in real.items():
+            setattr(torch.nn.init, n, f)
+
+
 def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.Module:
+    with _no_init():
+        return _build_model(model_fn, seq)
+
+
+def _build_model(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.Module:
     if isinstance(model_fn, str) and model_fn.startswith("hf:"):
         model = hf_from_config(model_fn[3:], seq)  # shapes only: a shipped or cached config, never weights
     else:
@@ -171,13 +243,14 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
             if _STREAM_BLOCK_GRADS[0]:
                 _stream_block_grads(trainer.model)
+            _label_segments(trainer.model, tracker)
             run = range(steps)
-            at_step: list[tuple[str, dict[str, int], list[tuple[int, int]]]] = []
+            at_step: list[tuple[str, str | None, dict[str, int], list[tuple[int, int]]]] = []
             if base:  # forward, backward and the step's surroundings; the optimizer is added afterwards
                 inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # fused-step's: one tensor a call
                 where = {id(p): (gi, pi) for gi, g in enumerate(inner.param_groups) for pi, p in enumerate(g["params"])}
                 inner.step = lambda closure=None: at_step.append((
-                    tracker.current_phase, tracker.current(),
+                    tracker.current_phase, tracker.current_segment, tracker.current(),
                     [where[id(p)] for g in inner.param_groups for p in g["params"] if p.grad is not None]))
                 if trainer.scaler.is_enabled():  # the loss scale and growth tracker the first step creates
                     trainer.scaler.scale(torch.ones(()))
@@ -213,7 +286,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
-            "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "params": params, "trainable_params": trainable,
+            "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "segment_peaks": r.get("segment_peaks", {}),
+            "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
             "block_bytes": block_bytes, "counts": counter.result(trainable), "counted_plan": compute_plan(plan),
             **({"at_step": at_step, "recipe": _recipe(trainer)} if base else {})}
@@ -291,6 +365,15 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0])
         phases[p] = {"peak": lin(a["peak"], b["peak"]),
                      "at_peak": {c: lin(a["at_peak"][c], b["at_peak"][c]) for c in b["at_peak"]},
                      "own": {c: lin(a["own"][c], b["own"][c]) for c in b["own"]}}
+        # the phase's peak is the largest segment's at depth L (a middle block lies between the first and the
+        # last: its bytes are affine in its position), not the line through the phase's peaks at the two depths,
+        # whose segment may differ from depth L's: at small depth the end of backward (every gradient) can
+        # dominate, at depth L its start (every block's activations)
+        s1, s2 = t1.get("segment_peaks", {}).get(p, {}), t2.get("segment_peaks", {}).get(p, {})
+        lines = [(lin(s1[g]["peak"], s2[g]["peak"]), {c: lin(s1[g]["at_peak"][c], v) for c, v in s2[g]["at_peak"].items()})
+                 for g in s2 if g in s1 and g != "bmid"]
+        if lines:
+            phases[p]["peak"], phases[p]["at_peak"] = max(lines, key=lambda x: x[0])
     top = max(phases, key=lambda p: phases[p]["peak"])
 
     def more(k):  # the first trace's list plus (L - depth) copies of what one more block adds
@@ -406,7 +489,8 @@ def with_optimizer(t: dict[str, Any], plan: Plan, alloc_round: int = 1) -> dict[
     _shift(t, "optimizer", state)
     f, ops, nbytes, n, sizes = t["counts"]
     sizes = dict(sizes)
-    for phase, now, stepped in t.pop("at_step"):
+    segments = t.setdefault("segment_peaks", {})
+    for phase, segment, now, stepped in t.pop("at_step"):
         call: dict[int, list[int]] = {}
         for gi, pi in stepped:
             call.setdefault(gi, []).append(pi)
@@ -422,6 +506,10 @@ def with_optimizer(t: dict[str, Any], plan: Plan, alloc_round: int = 1) -> dict[
             pp = phases.setdefault(phase, {"peak": 0, "at_peak": dict(cats), "own": dict(cats)})
             if total > pp["peak"]:
                 pp["peak"], pp["at_peak"] = total, dict(cats)
+            if segment is not None:
+                sp = segments.setdefault(phase, {}).setdefault(segment, {"peak": 0, "at_peak": dict(cats)})
+                if total > sp["peak"]:
+                    sp["peak"], sp["at_peak"] = total, dict(cats)
             if total > t["peak_bytes"]:
                 t["peak_bytes"], t["at_peak"], t["peak_phase"] = total, dict(cats), phase
             for k, v in cats.items():
@@ -441,3 +529,6 @@ def _shift(t: dict[str, Any], category: str, delta: int) -> None:
         pp["peak"] += delta
         pp["at_peak"][category] += delta
         pp["own"][category] += delta
+    for sp in (v for segs in t.get("segment_peaks", {}).values() for v in segs.values()):
+        sp["peak"] += delta
+        sp["at_peak"][category] += delta
