@@ -192,3 +192,33 @@ def test_offload_optimizer_steps_on_the_host(old_substitute, monkeypatch):
     new = estimate(MODEL, "adamw8bit+offload:optimizer", batch=B, seq=S, gpu="t4")
     assert (new["peak_bytes"], new["host_bytes"]) == (old["peak_bytes"], old["host_bytes"])
     assert any("steps the host copies" in n for n in new["notes"]), new["notes"]
+
+
+def test_transformers_adamw_bnb_8bit_is_estimated_as_bitsandbytes_steps_it(tmp_path):
+    """estimate(args=TrainingArguments(optim="adamw_bnb_8bit")) on the CPU: transformers' Trainer makes
+    bitsandbytes' AdamW8bit on every device, whose CPU kernel updates in place (no step scratch), not colabkit's
+    kernel (which ``adamw8bit`` runs off CUDA in colabkit's loop). Reference: bitsandbytes' AdamW8bit stepping
+    the same model's real parameters under the tracker -- its optimizer phase holds weights, gradients and
+    state. Control: the plan token in colabkit's loop adds its 9 B/value chunk scratch there."""
+    bnb = pytest.importorskip("bitsandbytes")
+    transformers = pytest.importorskip("transformers")
+    model = build_model("gpt:4x256")
+    params = list(model.parameters())
+    opt = bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=opt_mod.MIN_QUANT_SIZE)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # its state made
+    tracker = MemoryTracker(model=model, optimizer=opt, device="cpu", alert_at=None)
+    with tracker:
+        tracker.reset_peaks()
+        with tracker.phase("optimizer"):
+            opt.step()
+    measured = tracker.report()["peak_bytes"]  # (the step allocates nothing: no phase peak of its own)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), optim="adamw_bnb_8bit", per_device_train_batch_size=2,
+                                          report_to=[], use_cpu=True)
+    r = estimate("gpt:4x256", args=args, seq=64, device="cpu")
+    assert r["plan"] == "adamw8bit" and any("transformers' Trainer steps bitsandbytes" in n for n in r["notes"])
+    # the estimate's optimizer phase also holds the step's last small tensors (loss, scaler): within 5%
+    assert abs(r["phase_peaks"]["optimizer"]["peak"] - measured) <= 0.05 * measured, (r["phase_peaks"]["optimizer"], measured)
+    own = estimate("gpt:4x256", "adamw8bit", batch=2, seq=64, device="cpu")  # colabkit's loop: its own kernel
+    assert own["phase_peaks"]["optimizer"]["peak"] - measured > 0.07 * measured

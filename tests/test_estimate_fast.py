@@ -22,10 +22,12 @@ from colabkit.techniques.optimizers import AdamW4bit, state_bytes_per_param
 
 trace_mod = importlib.import_module("colabkit.estimate.trace")  # the package exports a function named trace
 
-# 4 layers: extrapolated from 2 and 3; 2 layers: traced whole. Batch x seq small: the check is exact, not statistical.
+# 4 layers: extrapolated from 2 and 3; 2 layers: traced whole. (adam-mini is made from the model's parameter names:
+# not replayable from shapes, each depth traced with it -- until 2026-11-27 the fast path raised its PlanError.) Batch x seq small: the check is exact, not statistical.
 CASES = [("gpt:4x128", p) for p in ("baseline", "adamw4bit", "adamw8bit", "lion", "adafactor", "fused-step",
                                     "checkpoint+adamw4bit+fused-step", "accum:2", "fp16+checkpoint", "qlora:4",
-                                    "offload:optimizer", "offload:params", "compress:int8+sgd:0.9")] + \
+                                    "offload:optimizer", "offload:params", "compress:int8+sgd:0.9",
+                                    "adam-mini")] + \
         [("gpt:2x64", p) for p in ("adamw4bit", "lora:4+adamw4bit")]
 
 

@@ -32,7 +32,7 @@ from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
 from .inputs import batch_shape, described, module_factory
-from .substitutes import trace_with_substitutes
+from .substitutes import bitsandbytes_steps, trace_with_substitutes
 from .trace import CUDA_ALLOC_ROUND, block_grads_to_host
 
 
@@ -120,6 +120,9 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         if inputs is not None:  # what the dataloader yields, as the window colabkit steps on
             inputs = {k: ((batch, *shape[1:]), dtype) for k, (shape, dtype) in
                       ((k, described(k, v)) for k, v in inputs.items())}
+        with bitsandbytes_steps():  # transformers makes bitsandbytes' AdamW8bit for adamw_bnb_8bit, on any device
+            return estimate(model_fn, plan, batch, seq, gpu, device, steps, budget_bytes, calibration, world_size,
+                            inputs)
     if inputs is not None:
         batch, seq = batch_shape(inputs)
     if type(model_fn).__name__.endswith("Config") and hasattr(model_fn, "model_type"):  # a transformers config

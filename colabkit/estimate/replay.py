@@ -236,7 +236,7 @@ def optimizer_for(plan: Any, lr: float, groups: list[tuple[float, list[tuple[tup
     Trainer's ``param_groups``) with learning rate ``lr``, on fake parameters; None when its step cannot be
     replayed (:data:`REPLAYABLE`)."""
     from ..env import env
-    from ..plan import REGISTRY, Context
+    from ..plan import REGISTRY, Context, PlanError
 
     key = (plan.optimizer_token, plan.get("sgd"), lr, tuple((wd, tuple(shapes)) for wd, shapes in groups))
     if key in _MADE:
@@ -246,7 +246,10 @@ def optimizer_for(plan: Any, lr: float, groups: list[tuple[float, list[tuple[tup
     with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
         made = [{"params": [torch.nn.Parameter(torch.empty(shape, dtype=dtype)) for shape, dtype in shapes],
                  "weight_decay": wd} for wd, shapes in groups]
-        opt = REGISTRY[plan.optimizer].make_optimizer(made, plan, Context(device=torch.device("cpu"), env=env(), lr=lr))
+        try:
+            opt = REGISTRY[plan.optimizer].make_optimizer(made, plan, Context(device=torch.device("cpu"), env=env(), lr=lr))
+        except PlanError:  # made from the model itself (adam-mini: its parameter names), not from groups
+            opt = None
     _MADE[key] = opt if type(opt) in REPLAYABLE else None
     return _MADE[key]
 

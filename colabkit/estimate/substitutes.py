@@ -23,6 +23,22 @@ from ..techniques.optimizers import BNB_BLOCK, MIN_QUANT_SIZE, AdamW8bit, adamw8
 from .trace import _REAL_COMPUTE_DTYPE, NO_FAKE_OPTIMIZERS, _shift, _traced
 
 
+# transformers' Trainer with TrainingArguments(optim="adamw_bnb_8bit") makes bitsandbytes' AdamW8bit on every
+# device (its CPU kernel too, which allocates no step scratch): within :func:`bitsandbytes_steps`, adamw8bit
+# is bitsandbytes' wherever the run is (``estimate(args=...)``)
+_BY_BITSANDBYTES = [False]
+
+
+@contextlib.contextmanager
+def bitsandbytes_steps(on: bool = True):
+    """Within the block, ``adamw8bit`` is stepped by bitsandbytes whatever the device (transformers' Trainer)."""
+    prev, _BY_BITSANDBYTES[0] = _BY_BITSANDBYTES[0], on
+    try:
+        yield
+    finally:
+        _BY_BITSANDBYTES[0] = prev
+
+
 def steps_own_8bit_kernel(plan: Plan | str, profile: dict | None) -> bool:
     """True where a run of ``plan`` (as the run has it: offload tokens included) on ``profile``'s GPU (None: the
     CPU) steps ``adamw8bit`` with colabkit's :class:`~colabkit.techniques.optimizers.AdamW8bit` rather than
@@ -37,8 +53,8 @@ def steps_own_8bit_kernel(plan: Plan | str, profile: dict | None) -> bool:
     (True, True)
     """
     plan = Plan.parse(plan)
-    if plan.optimizer != "adamw8bit":  # paged-adamw8bit, lion, lion8bit: bitsandbytes wherever they run
-        return False
+    if plan.optimizer != "adamw8bit" or _BY_BITSANDBYTES[0]:  # paged-adamw8bit, lion, lion8bit: bitsandbytes
+        return False                                           # wherever they run (and in transformers' Trainer)
     on_gpu = profile is not None and not {"params", "optimizer"} & set(plan.get("offload") or ())
     return adamw8bit_kernel(plan, on_gpu) == "colabkit"
 
@@ -140,7 +156,9 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         state = int(sum(math.prod(s) * state_bytes_per_param(opt, s) for s in t["trainable_shapes"]))
         _shift(t, "optimizer", state)
         notes.append(f"{opt} cannot run on fake tensors ({type(err).__name__}); its state "
-                     f"{fmt_bytes(state)} comes from state_bytes_per_param" if not host8 else
+                     f"{fmt_bytes(state)} comes from state_bytes_per_param"
+                     + (" (transformers' Trainer steps bitsandbytes' AdamW8bit on every device, optim='adamw_bnb_8bit')"
+                        if _BY_BITSANDBYTES[0] and plan.optimizer == "adamw8bit" else "") if not host8 else
                      f"adamw8bit: colabkit's own 8-bit kernel steps the host copies (offload:optimizer): nothing of its "
                      f"step is on the GPU; traced as SGD, its state {fmt_bytes(state)} from state_bytes_per_param "
                      f"(host RAM also holds its step scratch, {fmt_bytes(own_8bit_scratch(t['trainable_shapes']))})")
