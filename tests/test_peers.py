@@ -1,6 +1,7 @@
 """benchmarks/peers.py (issue 25) at tiny sizes: every row runs and lands in the JSON and the table; the
 state bytes it reports agree with the peers' own (bitsandbytes' AdamW8bit layout) and with theory."""
 import json
+import itertools
 import math
 import os
 import subprocess
@@ -59,8 +60,8 @@ def _forked_cli(calls: list):
 
 
 def test_estimate_row_traces_every_call(tmp_path, monkeypatch):
-    """The in-process estimate row times a new question: every call traces, even with the trace cache on disk
-    switched on (as on a user's machine). Control: with the row's own switch-off undone, calls after the
+    """The in-process estimate row times a new question: every call traces (another sequence each call, and
+    the trace cache on disk switched off, which a user's machine has on). Control: with the row's own switch-off undone, calls after the
     first are answered from the disk."""
     import importlib
 
@@ -76,7 +77,9 @@ def test_estimate_row_traces_every_call(tmp_path, monkeypatch):
     assert per_call >= 1 and len(calls) == per_call * (1 + cfg["est_repeats"])
     assert os.environ["COLABKIT_TRACE_CACHE"] == str(tmp_path)  # restored after the row
     calls.clear()
-    monkeypatch.setattr(peers, "TRACE_ENV", "COLABKIT_NOT_THE_SWITCH")  # control: the disk cache answers
+    # control: the same question every call, with the row's switch-off undone: the disk cache answers
+    monkeypatch.setattr(peers, "TRACE_ENV", "COLABKIT_NOT_THE_SWITCH")
+    monkeypatch.setattr(peers, "questions", lambda seq: itertools.repeat(seq))
     peers.estimate_row(cfg)
     assert len(calls) < per_call * (1 + cfg["est_repeats"])
 
