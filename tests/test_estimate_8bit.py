@@ -8,6 +8,7 @@ The reference is a measurement: colabkit's own kernel stepping real tensors on t
 MemoryTracker, with the CUDA allocator's 512 B rounding where the estimate is for a T4 (the trace's
 rounding). The negative control is the old substitute path, which the measurement must catch.
 """
+import contextlib
 import importlib
 
 import pytest
@@ -222,3 +223,33 @@ def test_transformers_adamw_bnb_8bit_is_estimated_as_bitsandbytes_steps_it(tmp_p
     assert abs(r["phase_peaks"]["optimizer"]["peak"] - measured) <= 0.05 * measured, (r["phase_peaks"]["optimizer"], measured)
     own = estimate("gpt:4x256", "adamw8bit", batch=2, seq=64, device="cpu")  # colabkit's loop: its own kernel
     assert own["phase_peaks"]["optimizer"]["peak"] - measured > 0.07 * measured
+
+
+@pytest.mark.parametrize("cls", [opt_mod.AdamW8bit, opt_mod.AdamW4bit], ids=["8bit", "4bit"])
+def test_a_step_over_several_chunks_is_counted_as_the_real_one(cls, monkeypatch):
+    """On fake tensors the blockwise kernels run one full chunk of a tensor (and its partial last one): the same
+    peak at a fraction of the traced ops. The estimator's counter counts that chunk as all the full chunks the
+    real step runs, and a fake step takes a later step's dequantizing path (its step count reads 1), so the
+    kernels, bytes (by size) and FLOPs of a step over a 2.5-chunk tensor equal the real step's counted on real
+    tensors. Control: without the counter the fake step counts one full chunk fewer."""
+    from colabkit.estimate.counting import counting
+
+    hosts = importlib.import_module("colabkit.estimate.trace")._HostScalars
+    n = int(2.5 * cls.CHUNK)
+
+    def counted(fake: bool):
+        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()), \
+                (hosts() if fake else contextlib.nullcontext()):
+            p = torch.nn.Parameter(torch.zeros(n))
+            p.grad = torch.zeros(n)
+            opt = cls([p], lr=1e-3)
+            opt.step()  # the state made; the second step is what repeats
+            with counting() as t:
+                opt.step()
+        return t.snapshot()
+
+    real = counted(False)
+    assert counted(True) == real
+    monkeypatch.setattr(opt_mod, "_CHUNK_COUNTER", [])
+    ops, nbytes, _, _ = counted(True)
+    assert ops < real[0] and nbytes < 0.8 * real[1]

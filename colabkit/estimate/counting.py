@@ -24,6 +24,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..memory import _tensors_of
 from ..plan import REGISTRY, Plan
+from ..techniques.optimizers import register_chunk_counter
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul,
@@ -144,6 +145,14 @@ class Traffic(TorchDispatchMode):
             self.by_size[size] = self.by_size.get(size, 0) + nbytes
         return out
 
+    def __enter__(self):
+        _OPEN.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _OPEN.remove(self)
+        return super().__exit__(*exc)
+
     def snapshot(self) -> tuple[int, int, tuple[tuple[int, int], ...], int]:
         """(kernels, bytes, bytes by size, FLOPs) so far: what a replay adds back (:func:`add_replayed`)."""
         return self.ops, self.bytes, tuple(sorted(self.by_size.items())), self.flops
@@ -194,6 +203,26 @@ def _kind(func) -> tuple[bool, object, bool]:
 
 
 _KINDS: dict = {}  # op overload -> _kind(op), decided once
+_OPEN: list[Traffic] = []  # every Traffic entered and not yet left (counting() blocks, replay's recordings)
+
+
+@contextlib.contextmanager
+def counted_as(times: int) -> Iterator[None]:
+    """What runs in the block is counted ``times`` times by every open :class:`Traffic`: a kernel that runs one
+    of ``times`` identical pieces on fake tensors (the blockwise AdamWs' chunks: ``register_chunk_counter``)."""
+    before = [(t, t.snapshot()) for t in _OPEN]
+    yield
+    for t, (ops, nbytes, sizes, flops) in before:
+        ops2, nbytes2, sizes2, flops2 = t.snapshot()
+        grown = dict(sizes2)
+        for k, v in sizes:
+            grown[k] -= v
+        more = times - 1
+        t.add(((ops2 - ops) * more, (nbytes2 - nbytes) * more, tuple((k, v * more) for k, v in grown.items() if v),
+               (flops2 - flops) * more))
+
+
+register_chunk_counter(counted_as)
 _ACTIVE: list[Traffic] = []  # the Traffic of the counting() blocks open now, innermost last
 
 

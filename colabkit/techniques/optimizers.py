@@ -18,6 +18,7 @@ quantization of a handful of values is where it is least stable.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from typing import Any, Iterable
@@ -180,6 +181,16 @@ def dequantize_sqrt4(packed: torch.Tensor, absmax: torch.Tensor, shape: torch.Si
     return _sqrt_values(codes, absmax, 16, torch.empty(codes.shape, device=codes.device)).view(-1)[:n].view(shape)
 
 
+# The estimator's kernel counter (colabkit.estimate.counting.counted_as, registered when it is imported): a
+# context in which what runs is counted ``times`` times -- the blockwise kernels' one full chunk of a fake tensor
+_CHUNK_COUNTER: list = []
+
+
+def register_chunk_counter(counted_as) -> None:
+    """Install the context the blockwise kernels run one fake chunk under, counted as ``times`` chunks."""
+    _CHUNK_COUNTER[:] = [counted_as]
+
+
 class _BlockwiseAdamW(torch.optim.Optimizer):
     """AdamW with blockwise-quantized moments (``BITS`` per value, one fp32 absmax per ``block_size``
     values); subclasses fix the format. Each step dequantizes the moments of one chunk of a tensor
@@ -277,38 +288,45 @@ class _BlockwiseAdamW(torch.optim.Optimizer):
     def _step_quantized(self, p: torch.Tensor, st: dict, group: dict, bs: int, mbuf: torch.Tensor,
                         vbuf: torch.Tensor, ubuf: torch.Tensor) -> None:
         """Chunks of CHUNK values (whole blocks): dequantize, fused update, quantize back in place."""
-        first = st["step"].item() == 1
+        # the first step starts from m = v = 0 (zero codes and absmax: dequantized, also 0). On fake tensors the step
+        # count reads 1 (trace._HostScalars) while the estimator traces a later step: the dequantizing path
+        first = not is_fake(p) and st["step"].item() == 1
         flat_p, grad, n = p.data.view(-1), p.grad.reshape(-1), p.numel()
         mc, vc, ma_all, va_all = (st[k] for k in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
                                                    "exp_avg_sq_absmax"))
         views: dict[int, tuple[torch.Tensor, ...]] = {}  # kp -> buffers as (nb, bs): made once, not per chunk
         step_t = _device_step(st["step"], p.device)  # once per parameter, not a host-to-device copy per chunk
-        # On fake tensors (the estimator's trace) nothing is computed and every chunk allocates what the first
-        # one does (same buffers, same block counts; the last, partial one less): one chunk gives the same peak
-        # at a fraction of the traced ops.
-        starts = range(0, min(n, 1) if is_fake(p) else n, self.CHUNK)
+        full = n // self.CHUNK
+        # On fake tensors (the estimator's trace) nothing is computed and every full chunk allocates what the first
+        # one does (same buffers, same block counts): the first full chunk and the partial last one give the same
+        # peak at a fraction of the traced ops, and the first one is counted as all ``full`` of them by the
+        # estimator's kernel counter (register_chunk_counter), so a step's kernels and bytes are the real step's.
+        few = is_fake(p) and full > 1
+        starts = [0] + ([full * self.CHUNK] if n % self.CHUNK else []) if few else range(0, n, self.CHUNK)
         for c0 in starts:
-            c1 = min(n, c0 + self.CHUNK)
-            k = c1 - c0
-            nb = -(-k // bs)
-            kp, b0 = nb * bs, c0 // bs
-            if kp not in views:
-                views[kp] = (mbuf[:kp].view(nb, bs), vbuf[:kp].view(nb, bs), ubuf[:kp].view(nb, bs),
-                             mbuf[:k], vbuf[:k])
-            m, v, u, m_flat, v_flat = views[kp]
-            ma, va = ma_all[b0:b0 + nb], va_all[b0:b0 + nb]
-            if first:
-                m.zero_()
-                v.zero_()
-            else:
-                self._m_in(mc, ma, c0, k, kp, u, m)
-                _sqrt_values(self._codes_in(vc, c0, k, kp, u), va, self.SQRT_LEVELS, v)
-                if kp > k:  # the padding of the last block: zeros, as when it was quantized
-                    mbuf[k:kp].zero_()
-                    vbuf[k:kp].zero_()
-            self._update(flat_p[c0:c1], grad[c0:c1], m_flat, v_flat, st["step"], group, step_t)
-            self._m_out(m, ma, mc, c0, k, kp, u)
-            self._codes_out(_sqrt_codes(v, self.SQRT_LEVELS, va), vc, c0, k, kp, u)
+            times = full if few and c0 == 0 else 1
+            with _CHUNK_COUNTER[0](times) if times > 1 and _CHUNK_COUNTER else contextlib.nullcontext():
+                c1 = min(n, c0 + self.CHUNK)
+                k = c1 - c0
+                nb = -(-k // bs)
+                kp, b0 = nb * bs, c0 // bs
+                if kp not in views:
+                    views[kp] = (mbuf[:kp].view(nb, bs), vbuf[:kp].view(nb, bs), ubuf[:kp].view(nb, bs),
+                                 mbuf[:k], vbuf[:k])
+                m, v, u, m_flat, v_flat = views[kp]
+                ma, va = ma_all[b0:b0 + nb], va_all[b0:b0 + nb]
+                if first:
+                    m.zero_()
+                    v.zero_()
+                else:
+                    self._m_in(mc, ma, c0, k, kp, u, m)
+                    _sqrt_values(self._codes_in(vc, c0, k, kp, u), va, self.SQRT_LEVELS, v)
+                    if kp > k:  # the padding of the last block: zeros, as when it was quantized
+                        mbuf[k:kp].zero_()
+                        vbuf[k:kp].zero_()
+                self._update(flat_p[c0:c1], grad[c0:c1], m_flat, v_flat, st["step"], group, step_t)
+                self._m_out(m, ma, mc, c0, k, kp, u)
+                self._codes_out(_sqrt_codes(v, self.SQRT_LEVELS, va), vc, c0, k, kp, u)
 
     def _m_in(self, codes: torch.Tensor, absmax: torch.Tensor, c0: int, k: int, kp: int, u: torch.Tensor,
               out: torch.Tensor) -> None:
