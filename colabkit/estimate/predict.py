@@ -32,7 +32,7 @@ from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
 from .inputs import batch_shape, described, module_factory
-from .substitutes import bitsandbytes_steps, trace_with_substitutes
+from .substitutes import bitsandbytes_steps, own_8bit_scratch, steps_own_8bit_kernel, trace_with_substitutes
 from .trace import CUDA_ALLOC_ROUND, block_grads_to_host
 
 
@@ -181,6 +181,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
               for p, v in t["phase_peaks"].items()}
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
+    if "optimizer" in offload and profile is not None and steps_own_8bit_kernel(plan, profile):
+        host += own_8bit_scratch(t["trainable_shapes"])  # colabkit's 8-bit kernel steps the host copies: its scratch
     if fsdp_host is not None:  # FSDP2's CPUOffloadPolicy: each rank's shards and optimizer state in its host RAM
         host = sum(fsdp_host.values())
         notes.append("zero:3 with offload (FSDP2's CPUOffloadPolicy): each rank's parameter and gradient shards (pinned) "

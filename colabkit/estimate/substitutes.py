@@ -161,7 +161,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
                         if _BY_BITSANDBYTES[0] and plan.optimizer == "adamw8bit" else "") if not host8 else
                      f"adamw8bit: colabkit's own 8-bit kernel steps the host copies (offload:optimizer): nothing of its "
                      f"step is on the GPU; traced as SGD, its state {fmt_bytes(state)} from state_bytes_per_param "
-                     f"(host RAM also holds its step scratch, {fmt_bytes(own_8bit_scratch(t['trainable_shapes']))})")
+                     f"(its step scratch, {fmt_bytes(own_8bit_scratch(t['trainable_shapes']))}, is in host_bytes)")
         if own8:  # colabkit's kernel, which should have run: its scratch from the formula, at its phase's peak
             scratch = own_8bit_scratch(t["trainable_shapes"])
             phase = "backward" if "fused-step" in plan else "optimizer"
