@@ -84,10 +84,10 @@ def summary(rows: list[dict]) -> dict:
             "worst": worst}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "depth-extrapolation-cpu"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     refs: dict = {}
     results = {"segments": run(True, refs), "phase lines": run(False, refs)}

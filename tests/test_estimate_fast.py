@@ -245,3 +245,18 @@ def test_a_described_batch_is_counted_from_its_own_step():
                  inputs={"input_ids": ((4, 32), torch.long), "labels": ((4,), torch.long)})
     assert r["flops"] == real_flops(32) != real_flops(48)
     assert not any("6 x parameters" in n for n in r["notes"]), r["notes"]
+
+
+def test_depth_extrapolation_benchmark_runs_and_tells_the_methods_apart(tmp_path, monkeypatch):
+    """benchmarks/depth_extrapolation.py on one case where the phase's peak moves between segments with depth:
+    its table has both methods, the segments' row exact and the phase lines' row off by more than 0.5%."""
+    from tests.test_core import _benchmark_script
+
+    bench = _benchmark_script("depth_extrapolation")
+    monkeypatch.setattr(bench, "MODELS", ["gpt:6x64:v2048"])
+    monkeypatch.setattr(bench, "PLANS", ["baseline"])
+    monkeypatch.setattr(bench, "SIZES", [(2, 32)])
+    bench.main(["--out", str(tmp_path / "d")])
+    rows = {r.split("|")[1].strip(): r.split("|") for r in (tmp_path / "d.md").read_text().splitlines()
+            if r.startswith("| segments") or r.startswith("| phase lines")}
+    assert rows["segments"][3].strip() == "0" and rows["phase lines"][3].strip() == "1", rows
