@@ -301,12 +301,12 @@ def hub_config(model_id: str) -> Any:
                        "model needs `huggingface-cli login` first") from err
 
 
-def hf_from_config(model_id: str, seq: int | None = None) -> nn.Module:
+def hf_from_config(model_id: str, seq: int | None = None, config: Any = None) -> nn.Module:
     """A hub model's architecture with random weights, from :func:`hub_config` (how the estimator
-    builds ``hf:<id>``: it needs shapes, never weights)."""
+    builds ``hf:<id>``: it needs shapes, never weights); ``config``: that config changed (fewer layers)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(hub_config(model_id))
+    return AutoModelForCausalLM.from_config(config if config is not None else hub_config(model_id))
 
 
 def dtype_kwarg(tf: Any = None) -> str:

@@ -375,24 +375,6 @@ def test_bf16_zero3_activations_are_not_a_bf16_model_copy(monkeypatch):
     assert _activations("gpt:24x256", "bf16+zero:3+checkpoint", **kw) > 3 * fp32
 
 
-def test_per_rank_estimate_extrapolates_in_depth(monkeypatch):
-    """A deep model's estimate is extrapolated from estimates at depth 1 and 2 (scale.by_depth: Llama-3.1-70B); the
-    per-rank backward there must be affine in depth: zero:3 at 12 blocks from 1 and 2 within 5% of the estimate of
-    the 12 blocks themselves (block by block, tested against the measured ranks above; the traces at depth 2 and 3
-    are test_estimate_world_size_at_depth's, cached). Control: the block-by-block backward at depth 1 and 2 too
-    (its argmax moves with depth) is more than 5% off (+17%)."""
-    from colabkit.estimate.scale import extrapolate
-
-    kw, plan = dict(batch=8, seq=32, device="cpu", gpu=None, world_size=2), "zero:3"
-    direct = estimate("gpt:12x64", plan, **kw)["peak_bytes"]
-    at = lambda: extrapolate(*(estimate(f"gpt:{d}x64", plan, **kw) for d in (1, 2)), 12)["peak_bytes"]  # noqa: E731
-    assert abs(at() / direct - 1) <= 0.05, (at(), direct)
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("colabkit.estimate.zero"), "SHALLOW", 0)
-    assert abs(at() / direct - 1) > 0.05
-
-
 @pytest.mark.slow  # fast twin: test_bf16_zero3_activations_are_not_a_bf16_model_copy
 def test_bf16_zero3_activations_at_70b():
     kw = dict(batch=1, seq=4096, gpu="h100")

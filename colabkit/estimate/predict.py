@@ -28,7 +28,6 @@ from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
 from .formulas import _host_split, analytic
 from .zero import cpu_offload, for_rank, fsdp_offload_plan, gathered_in_half, shard_trace
-from .scale import by_depth, hub_depth
 from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
 from .inputs import batch_shape, described, module_factory
@@ -130,11 +129,6 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     if isinstance(model_fn, torch.nn.Module):  # your built model: measured on a copy made of shapes only
         model_fn = module_factory(model_fn)
     profile = _profile(gpu, device)
-    if (depth := hub_depth(model_fn)) is not None:  # 80 blocks of a 70B model: two shallow traces, extrapolated
-        r = by_depth(estimate, model_fn, depth, plan=plan, batch=batch, seq=seq, gpu=gpu, device=device, steps=steps,
-                     budget_bytes=budget_bytes, calibration=calibration, world_size=world_size)
-        r.update(rejudge(r, r["resources"]["device"]["uncertainty"]))
-        return r
     plan = Plan.parse(plan)
     if plan.get("zero") is not None and world_size >= 2:  # refused as the sharded run refuses it (its optimizer, ...)
         try:

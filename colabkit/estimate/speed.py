@@ -18,7 +18,6 @@ against real steps.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -30,7 +29,7 @@ from ..techniques.optimizers import state_bytes_per_param
 from ..timing import interleaved, ratio, time_fn
 from ..trainer import Trainer
 from .counting import Traffic, affine, compute_plan, counting, sgd_plan, split_flops
-from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, gpt_builder
+from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, deep_model
 
 # Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
 # main uncertainty (UNCERTAINTY): real models run smaller matmuls and elementwise kernels the count omits.
@@ -77,12 +76,12 @@ def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[i
     the fused optimizer's, moves to a larger size bucket with depth)."""
     cfg = _gpt_of(model_fn, seq)
     key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else model_fn
-    deep = cfg is not None and cfg.n_layer > DEPTHS[1] and Plan.parse(plan).get("checkpoint") in (None, True)
-    if not deep:
+    deep = deep_model(model_fn, seq) if Plan.parse(plan).get("checkpoint") in (None, True) else None
+    if deep is None:
         return _counted(key, model_fn, plan, batch, seq)
-    d2, d3 = (_counted(repr(replace(cfg, n_layer=d)), gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq)
-              for d in DEPTHS)
-    return affine(d2, d3, cfg.n_layer, DEPTHS)
+    L, at = deep
+    d2, d3 = (_counted(b._colabkit_key, b, plan, batch, seq) for b in map(at, DEPTHS))
+    return affine(d2, d3, L, DEPTHS)
 
 
 _COUNTS: dict[tuple, tuple] = {}

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory import MemoryTracker, host_side, is_host
-from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config
+from ..models import GPT, GPTConfig, blocks_of, build_model, count_params, gpt_config, hf_from_config, hub_config
 from ..plan import REGISTRY, Plan, param_groups
 from ..techniques import lora as _lora
 from ..trainer import Trainer
@@ -348,16 +348,65 @@ def gpt_builder(cfg) -> Callable[[], torch.nn.Module]:
     f = lambda: GPT(cfg)  # noqa: E731
     f.__name__ = f"gpt:{cfg.n_layer}x{cfg.n_embd}:v{cfg.vocab_size}"
     f._colabkit_config = cfg
+    f._colabkit_key = repr(cfg)  # what its traces are cached under (as _traced keys a GPT)
     return f
 
 
-def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0]) -> dict[str, Any]:
-    """A trace at depth ``cfg.n_layer`` from traces at depths ``depth`` and ``depth + 1``: every block is the
+# hf:<id> configs deeper than this are traced at DEPTHS and extrapolated, as a GPT deeper than DEPTHS is (a full
+# fake trace of 80 blocks takes a minute on a 2-core machine); shallower ones are traced whole
+HF_DEEP = 8
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer")
+
+
+def _depth_key(config: Any) -> str | None:
+    return next((k for k in _DEPTH_KEYS if isinstance(getattr(config, k, None), int)), None)
+
+
+def deep_model(model_fn: Any, seq: int) -> tuple[int, Callable[[int], Callable[[], torch.nn.Module]]] | None:
+    """``(L, builder_at(depth))`` of a model the estimator extrapolates in depth from traces at :data:`DEPTHS`: a
+    GPT deeper than them, an ``hf:<id>`` config deeper than :data:`HF_DEEP` blocks; None otherwise. Each
+    builder has a ``_colabkit_key`` (the model at that depth), under which its traces are cached.
+
+    >>> L, at = deep_model("gpt:6x64", 16)
+    >>> L, at(2)._colabkit_key == repr(gpt_config("gpt:2x64", dropout=0.0))
+    (6, True)
+    """
+    cfg = _gpt_of(model_fn, seq)
+    if cfg is not None:
+        return (cfg.n_layer, lambda d: gpt_builder(replace(cfg, n_layer=d))) if cfg.n_layer > DEPTHS[1] else None
+    if not (isinstance(model_fn, str) and model_fn.startswith("hf:")):
+        return None
+    hub = hub_config(model_fn[3:])
+    key = _depth_key(hub)
+    if key is None or getattr(hub, key) <= HF_DEEP:
+        return None
+
+    def at(depth: int) -> Callable[[], torch.nn.Module]:
+        c = copy.deepcopy(hub)
+        setattr(c, key, depth)
+        f = lambda: hf_from_config(model_fn[3:], config=c)  # noqa: E731
+        f.__name__, f._colabkit_key = model_fn, f"{model_fn}@{depth}"
+        return f
+    return getattr(hub, key), at
+
+
+def _deeper(config: Any, L: int) -> Any:
+    """The model's config at depth ``L`` (a GPTConfig, or a transformers config)."""
+    if config is None:
+        return None
+    if isinstance(config, GPTConfig):  # (transformers' configs are dataclasses too, without n_layer)
+        return replace(config, n_layer=L)
+    c = copy.deepcopy(config)
+    setattr(c, _depth_key(c), L)
+    return c
+
+
+def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[0]) -> dict[str, Any]:
+    """A trace at depth ``L`` from traces at depths ``depth`` and ``depth + 1``: every block is the
     same, so each phase's peak, its composition and each category's own peak in it are affine in depth, as
     are the parameter counts and lists; the step's peak is the largest phase's (it may sit in backward at a
     small depth and move to the optimizer step at depth 48). Not from depth 1: there the embedding and head
     can hold a phase's peak at another moment than at depth 2 and beyond (fused-step at small sizes)."""
-    L = cfg.n_layer
     lin = lambda a, b: int(a + (b - a) * (L - depth))  # noqa: E731
     phases = {}
     for p in t2["phase_peaks"]:
@@ -387,7 +436,7 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], cfg, depth: int = DEPTHS[0])
             "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
             "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,
             "block_bytes": more("block_bytes"),  # FSDP2's all-gather units, one per block (estimate.zero)
-            "config": replace(t2["config"], n_layer=L) if t2["config"] is not None else None,
+            "config": _deeper(t2["config"], L),
             "counts": counting_affine(t1["counts"], t2["counts"], L, (depth, depth + 1)),
             "counted_plan": t2["counted_plan"]}
 
@@ -400,7 +449,8 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
     allocator rounding, the GPU profile (attention kernel), T4 rules, and qlora's compute-dtype stand-in.
     A described batch (``inputs``, a user's own model) is traced as it is, uncached."""
     cfg = _gpt_of(model_fn, seq)
-    model_key = model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None else None
+    model_key = (model_fn if isinstance(model_fn, str) else repr(cfg) if cfg is not None
+                 else getattr(model_fn, "_colabkit_key", None))
     if _FULL[0] or model_key is None or inputs is not None:
         return trace(model_fn, plan, batch, seq, steps, alloc_round, profile, notes, inputs)
     key = (model_key, str(plan), batch, seq, steps, alloc_round, (profile or {}).get("key"), _env._EMULATING_T4,
@@ -409,15 +459,17 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
     disk = cfg is not None
     hit = _CACHE.get(key) or (_disk.load(key) if disk else None)
     if hit is None:
-        extrapolate = (cfg is not None and cfg.n_layer > DEPTHS[1] and plan.get("checkpoint") in (None, True)
+        deep = deep_model(model_fn, seq)
+        extrapolate = (deep is not None and plan.get("checkpoint") in (None, True)
                        and "offload:params" not in plan and "offload:activations" not in plan)
         own: list[str] = []
         if extrapolate:
-            t1, t2 = (_traced(gpt_builder(replace(cfg, n_layer=d)), plan, batch, seq, steps, alloc_round, profile,
-                              own if d == DEPTHS[1] else []) for d in DEPTHS)
-            t = _affine(t1, t2, cfg, DEPTHS[0])
-            own.append(f"trace: {cfg.n_layer} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces "
-                       "(each phase's peak is affine in depth)")
+            L, at = deep
+            t1, t2 = (_traced(at(d), plan, batch, seq, steps, alloc_round, profile, own if d == DEPTHS[1] else [])
+                      for d in DEPTHS)
+            t = _affine(t1, t2, L, DEPTHS[0])
+            own.append(f"trace: {L} layers extrapolated from {DEPTHS[0]}- and {DEPTHS[1]}-layer traces (each "
+                       "segment's peak -- embedding, first and last block, head -- is affine in depth)")
         else:
             t = _from_base(model_fn, plan, key, steps, alloc_round, profile, own)
             if t is None:

@@ -157,7 +157,7 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     ...      "block_bytes": [15, 15]}
     >>> t["phase_peaks"]["backward"]["own"] = dict(t["phase_peaks"]["backward"]["at_peak"])
     >>> shard_trace(t, 3, 2); t["peak_bytes"], t["phase_peaks"]["backward"]["at_peak"]["activations"]
-    (110, 50)
+    (113, 30)
     """
     if not stage or world_size < 2:
         return
@@ -219,9 +219,6 @@ def ddp_fresh(grads_at_peak: int, largest: int) -> int:
     return min(grads_at_peak, largest)
 
 
-SHALLOW = 2  # a trace with at most this many blocks: one a deep model's estimate is extrapolated from (scale.py)
-
-
 def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes: list[int], params: int, stage: int,
                   world_size: int, half: bool) -> dict[str, int]:
     """One rank's categories at the peak of FSDP2's backward (zero:2/3), from the single-process trace's backward
@@ -244,8 +241,8 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
       block being recomputed is in its ``other``), or, when it peaks at backward's end (k_p = L, nothing left),
       at their own peak in backward (its start, k = 0).
 
-    The peak is the largest over k (k = k_p alone for L <= 2, the shallow traces a deep model's estimate is
-    extrapolated from: their argmax would move with depth). zero:3 peaks a block or more into backward: the gradient shards and the
+    The peak is the largest over k (a deep model's trace is extrapolated in depth before it is sharded, so k
+    runs over all of its blocks). zero:3 peaks a block or more into backward: the gradient shards and the
     reduce-scatter buffer grow while the gathered copies stay two blocks; zero:2 peaks early (each done block
     frees its gathered copy, worth N times its gradient shard).
 
@@ -264,17 +261,6 @@ def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes
         done, k_p = done + order[k_p], k_p + 1
     rest = at["grads"] - done  # the root's and a partial block's gradients at the single trace's peak (fp32)
     shards = -(-params // world_size)
-    if n_blocks <= SHALLOW:  # the traces a deep model is extrapolated from (scale.by_depth, at depth 1 and 2): every
-        # term affine in depth. The reduce-scatter buffer where the trace peaks late (most activations gone, as
-        # with checkpoint) at both depths, though k_p reaches 1 only at depth 2 there
-        scatter = max(order) if k_p or 2 * at["activations"] < own["activations"] else 0
-        if stage == 2:  # a deep zero:2 peaks one block in (k = 1): all but one block still gathered, backward's
-            return {"params": shards + (root + sum(order) - max(order)) // c,  # activations nearly all there
-                    "grads": -(-max(order) // world_size), "optimizer": optimizer,
-                    "activations": own["activations"], "other": at["other"] + rest // c + max(order)}
-        return {"params": shards, "grads": -(-sum(order[:k_p]) // world_size), "optimizer": optimizer,  # at k_p
-                "activations": at["activations"] + (root + 2 * max(order)) // c,  # two blocks, as at depth L
-                "other": at["other"] + rest // c + scatter}
     best: dict[str, int] = {}
     for k in range(n_blocks):
         if k_p < n_blocks:  # what the L - k_p blocks not done at the trace's peak saved, per block remaining
