@@ -71,10 +71,11 @@ def test_estimate_row_traces_every_call(tmp_path, monkeypatch):
     monkeypatch.setenv("COLABKIT_TRACE_CACHE", str(tmp_path))
     calls = []
     real = trace_mod.trace
-    monkeypatch.setattr(trace_mod, "trace", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(trace_mod, "trace", lambda *a, **k: calls.append(a[3]) or real(*a, **k))  # (its seq)
     peers.estimate_row(cfg)
     per_call = len(calls) // (1 + cfg["est_repeats"])
     assert per_call >= 1 and len(calls) == per_call * (1 + cfg["est_repeats"])
+    assert len(set(calls)) == 1 + cfg["est_repeats"]  # another sequence length each call: nothing seen before
     assert os.environ["COLABKIT_TRACE_CACHE"] == str(tmp_path)  # restored after the row
     calls.clear()
     # control: the same question every call, with the row's switch-off undone: the disk cache answers
