@@ -7,7 +7,7 @@ The package, file by file:
 - :mod:`.as_gpu`   — what a GPU profile changes in a trace (offload/attention tokens split off, its checks);
 - :mod:`.inputs`   — a batch described by shapes (``inputs=``), what a trace feeds the Trainer;
 - :mod:`.replay`   — the optimizer step in a trace replayed from profiles of the real step (same storages);
-  traces cached per process, deep GPTs from 2- and 3-layer traces, one forward/backward per plan shared by
+  traces cached per process, deep GPTs and hf: models from 2- and 3-layer traces (by segment), one forward/backward per plan shared by
   every optimizer (``trace.with_optimizer``; ``trace.full_trace()``: the reference);
 - :mod:`.counting` — FLOPs, kernels and bytes counted in the memory trace's own step (the step-time input);
 - :mod:`.speed`    — the predicted step time from those counts and a device's throughput;

@@ -318,7 +318,7 @@ def _frozen(model: torch.nn.Module) -> list[tuple[int, bool, int]]:
     return [(p.numel(), id(p) in linear, p.element_size()) for p in frozen]
 
 
-# ----- the fast path: each distinct trace once, deep GPTs from 1- and 2-layer traces ---------------------
+# ----- the fast path: each distinct trace once, deep models from 2- and 3-layer traces --------------------
 _CACHE: "OrderedDict[tuple, tuple[dict, list[str]]]" = OrderedDict()
 DEPTHS = (2, 3)  # a deeper GPT is extrapolated from traces at these depths
 CACHE_SIZE = 256  # traces kept in this process (a few KiB each)
@@ -403,10 +403,11 @@ def _deeper(config: Any, L: int) -> Any:
 
 def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[0]) -> dict[str, Any]:
     """A trace at depth ``L`` from traces at depths ``depth`` and ``depth + 1``: every block is the
-    same, so each phase's peak, its composition and each category's own peak in it are affine in depth, as
-    are the parameter counts and lists; the step's peak is the largest phase's (it may sit in backward at a
-    small depth and move to the optimizer step at depth 48). Not from depth 1: there the embedding and head
-    can hold a phase's peak at another moment than at depth 2 and beyond (fused-step at small sizes)."""
+    same, so each segment's peak (:func:`_label_segments`) and its composition, each category's own peak in a
+    phase, and the parameter counts and lists are affine in depth; a phase's peak is its largest segment's at
+    depth ``L`` (the line through the phase's own peaks misses where the winning moment changes with depth),
+    and the step's peak the largest phase's (it may sit in backward at a small depth and move to the optimizer
+    step at depth 48). Not from depth 1: a single block is first and last at once (no ``bN`` line)."""
     lin = lambda a, b: int(a + (b - a) * (L - depth))  # noqa: E731
     phases = {}
     for p in t2["phase_peaks"]:
