@@ -372,7 +372,7 @@ def install(opt: Any, alloc_round: int = 1) -> bool:
             while len(held) < n_state:
                 held.append(torch.empty(prof.state[len(held)], dtype=torch.uint8, device=params[0].device))
             if scratch:
-                tmp = torch.empty(scratch, dtype=torch.uint8, device=params[0].device)
+                tmp = torch.empty(scratch, dtype=torch.uint8, device=params[0].device)  # noqa: F841 (seen, then freed)
                 del tmp
         return loss
 

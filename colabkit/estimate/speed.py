@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..plan import REGISTRY, Plan
+from ..plan import Plan
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import interleaved, ratio, time_fn
