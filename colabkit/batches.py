@@ -127,7 +127,7 @@ def make_batch(model: torch.nn.Module, batch: Any, y: torch.Tensor | None = None
         if y is None:
             raise PlanError("step(x) needs the targets: step(x, y) with y the target of each position, or a batch "
                             "dict {'input_ids': ..., 'labels': ...} in transformers' convention (labels unshifted)")
-        return Batch((batch,), {}, y, aligned=True)
+        return Batch((batch,), add_decoder_inputs(model, {}, y), y, aligned=True)  # (T5, BART: y feeds the decoder)
     if not isinstance(batch, Mapping):
         raise PlanError(f"a batch is (x, y) or a dict such as {{'input_ids', 'attention_mask', 'labels'}}, "
                         f"got {type(batch).__name__}")

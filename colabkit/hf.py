@@ -25,7 +25,9 @@ token                         applied by   transformers-native form
 fp16, bf16                    arguments    ``fp16=True`` / ``bf16=True`` (autocast; fp16 with a GradScaler; fp16
                                            refused on the CPU, where accelerate would run it in fp32)
 checkpoint                    arguments    ``gradient_checkpointing=True`` (non-reentrant; 5.x:
-                                           ``activation_checkpointing``)
+                                           ``activation_checkpointing``); prepare_model gives the Trainer's
+                                           enabling call colabkit's recompute context (attention:* recomputes
+                                           under its backend), and checkpoints a plain module's blocks itself
 accum:K                       arguments    ``gradient_accumulation_steps=K`` (per_device_train_batch_size is
                                            then the micro-batch)
 adamw, adamw8bit, lion, ...   arguments    ``optim=``: adamw_torch(_fused), adamw_bnb_8bit, paged_adamw_8bit,
@@ -67,6 +69,7 @@ from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
+from .techniques.checkpoint import for_trainer
 from .techniques.chunked_ce import loss_in_forward
 from .techniques.optimizers import HF_OPTIM
 
@@ -190,11 +193,23 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
     mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
     plan.check(Context(device=dev, env=env(), offload_sim=offload_sim))  # (bf16 on a T4, paged on a CPU, ...)
+    ckpt = _checkpoint_field()
+    if ckpt == "activation_checkpointing":  # 5.x: gradient_checkpointing(_kwargs) are aliases, read as the new names
+        for old in ("gradient_checkpointing", "gradient_checkpointing_kwargs"):
+            new = old.replace("gradient", "activation")
+            if old in kwargs and new in kwargs and kwargs[old] != kwargs[new]:
+                raise PlanError(f"{old}={kwargs[old]!r} and {new}={kwargs[new]!r} disagree (the first is the "
+                                "second's old name): give one")
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
     for key, value in mapped.items():
         if key in kwargs and _norm(kwargs[key]) != value:
             raise PlanError(f"{key}={kwargs[key]!r} contradicts the plan {str(plan)!r}, which sets {key}={value!r}: "
                             "drop the keyword or change the plan")
-    ckpt = _checkpoint_field()
+    accum = kwargs.get("gradient_accumulation_steps")
+    if "gradient_accumulation_steps" not in mapped and accum not in (None, 1):
+        raise PlanError(f"gradient_accumulation_steps={accum!r} is not in the plan {str(plan)!r}: add 'accum:{accum}' "
+                        "to the plan (the plan is what colabkit applies, checks and reports) and drop the keyword")
     for key, tok in (("fp16", "fp16"), ("bf16", "bf16"), (ckpt, "checkpoint")):
         # off unless the plan says so: TRL's SFTConfig defaults bf16 and gradient checkpointing on
         if key not in mapped:
@@ -250,6 +265,8 @@ def prepare_model(model: torch.nn.Module, plan: Plan | str, device: str | torch.
     if ctx.loss_scaling and "fp16" not in plan:
         raise PlanError(f"on {dev} the plan's lora/qlora base computes in fp16, which needs loss scaling: add fp16 to "
                         "the plan (transformers' Trainer then uses a GradScaler)")
+    if "checkpoint" in plan and "checkpoint" not in names:  # the Trainer turns it on: with colabkit's recompute
+        for_trainer(model)
     if "checkpoint" in names:
         _witness_checkpoint(model, _spelled(plan, "checkpoint"))
     if "chunked-ce" in names:  # transformers' Trainer gives the labels to the model: it computes the chunked loss
@@ -359,8 +376,13 @@ class MemoryCallback:
         self._verify: Any = None
 
     # ----- the Trainer's events --------------------------------------------------------------------
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args, state, control, model=None, **kwargs):
         self._go_first()
+        if getattr(args, _checkpoint_field(), False) and model is not None and not any(
+                hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
+            raise PlanError(f"the arguments turn checkpointing on, which transformers' Trainer asks of the model "
+                            f"(activation_checkpointing_enable), and {type(unwrap(model)).__name__} has no such method: "
+                            "call colabkit.hf.prepare_model(model, plan) first -- it checkpoints the model's blocks")
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._go_first()

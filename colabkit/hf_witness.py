@@ -23,6 +23,7 @@ import torch
 
 from .batches import unwrap
 from .plan import Context, Plan, PlanError
+from .techniques.attention import NO_SDPA, SDPACalls
 from .techniques.chunked_ce import ChunkedLogits
 
 
@@ -57,6 +58,7 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
     ran = _ran(model)
     for tok, _ in makers:
         _witness(model, tok)
+    entered = unwrap(model).__dict__.setdefault("_colabkit_entered", set())  # attention:*'s context, SDPA or not
     model._colabkit_inside = False
 
     def wrap(module: torch.nn.Module) -> None:
@@ -69,7 +71,13 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
             with contextlib.ExitStack() as stack:
                 for tok, make in makers:
                     stack.enter_context(make(plan, ctx))
-                    ran[tok] = ran.get(tok, 0) + 1
+                    if tok.startswith("attention") and not ran.get(tok):  # until seen: a forward that called SDPA
+                        entered.add(tok)
+                        calls: list[int] = []
+                        stack.enter_context(SDPACalls(calls))
+                        stack.callback(lambda t=tok, c=calls: c and ran.__setitem__(t, ran.get(t, 0) + 1))
+                    else:
+                        ran[tok] = ran.get(tok, 0) + 1
                 model._colabkit_inside = True
                 try:
                     return inner(*args, **kwargs)
@@ -125,15 +133,22 @@ def _witness_checkpoint(model: torch.nn.Module, tok: str) -> None:
 _FUSED_HEAD = ("TRL's fused LM head (SFTTrainer, DPOTrainer, ...) calls the backbone and scores the tokens from the "
                "head's weight itself (logits in chunks of 32768 token rows), around model.forward")
 _HOW = {"chunked-ce": "colabkit's chunked cross-entropy never computed the loss",
+        "attention": NO_SDPA,
         "checkpoint": "no checkpointed layer ran",
         "lora": "no LoRA adapter ran", "qlora": "no LoRA adapter ran"}
 
 
 def _trl_fused(model: torch.nn.Module) -> bool:
-    """True when TRL's ``add_fused_lm_head`` replaced ``model.forward`` (its code object keeps its name)."""
-    fwd = getattr(model, "forward", None)
-    code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward"
+    """True when TRL's ``add_fused_lm_head`` replaced ``model.forward`` (its code object keeps its name), also
+    under accelerate's mixed-precision wrappers (autocast, outputs to fp32: ``__wrapped__`` chains)."""
+    fn, seen = getattr(model, "forward", None), set()
+    while fn is not None and id(fn) not in seen:  # each link: the bound method's function, then what it wraps
+        seen.add(id(fn))
+        code = getattr(fn, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward":
+            return True
+        fn = getattr(fn, "__func__", None) or getattr(fn, "__wrapped__", None)
+    return False
 
 
 def check_ran(model: torch.nn.Module) -> None:
@@ -167,6 +182,8 @@ def check_ran(model: torch.nn.Module) -> None:
             fix = ("drop it for TRL's trainers (their fused head computes the logits in chunks itself), or train "
                    "with transformers.Trainer" if t.startswith("chunked-ce") else f"drop {t!r} from the plan")
             why.append(f"plan token {t!r} did not run in the first training step ({how}): {_FUSED_HEAD}; {fix}")
+        elif t.startswith("attention") and t in getattr(model, "_colabkit_entered", ()):
+            why.append(f"plan token {t!r} did not run in the first training step ({how}); drop {t!r} from the plan")
         elif t.startswith("chunked-ce"):
             why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called "
                        "without labels (a compute_loss_func or label smoothing computes the loss from the full logits) "

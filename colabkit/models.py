@@ -301,12 +301,33 @@ def hub_config(model_id: str) -> Any:
                        "model needs `huggingface-cli login` first") from err
 
 
+def auto_class(config: Any) -> Any:
+    """The transformers class a config is built as: the class its ``architectures`` names when transformers has
+    it (e.g. ``BertForSequenceClassification``), else ``AutoModelForSeq2SeqLM`` for an encoder-decoder (T5,
+    BART), else ``AutoModelForCausalLM``.
+
+    >>> import transformers
+    >>> auto_class(transformers.T5Config()).__name__, auto_class(transformers.LlamaConfig()).__name__
+    ('AutoModelForSeq2SeqLM', 'AutoModelForCausalLM')
+    """
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch and hasattr(transformers, arch):
+        return getattr(transformers, arch)
+    return (transformers.AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False)
+            else transformers.AutoModelForCausalLM)
+
+
+def _from_config(config: Any) -> nn.Module:
+    cls = auto_class(config)
+    return cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
+
+
 def hf_from_config(model_id: str, seq: int | None = None, config: Any = None) -> nn.Module:
     """A hub model's architecture with random weights, from :func:`hub_config` (how the estimator
     builds ``hf:<id>``: it needs shapes, never weights); ``config``: that config changed (fewer layers)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(config if config is not None else hub_config(model_id))
+    return _from_config(config if config is not None else hub_config(model_id))
 
 
 def dtype_kwarg(tf: Any = None) -> str:
@@ -330,27 +351,30 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
     model from the hub when it can be reached, else from the local cache;
     otherwise the model built from its config (shipped or cached) with random weights, saying so."""
     try:
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401
     except ImportError as e:
         raise ImportError("hf:<id> models need transformers: pip install 'colabkit[hf]'") from e
     model_id = name[3:]
     folder = local_folder(model_id)
     if folder:  # a local folder: its weights when it holds them, else its config with random weights
         if _has_weights(folder):
-            return AutoModelForCausalLM.from_pretrained(folder, **{dtype_kwarg(): torch.float32})
+            return auto_class(hub_config(folder)).from_pretrained(folder, **{dtype_kwarg(): torch.float32})
         print(f"colabkit: no weights in {folder}; building it from its config.json with random weights")
-        return AutoModelForCausalLM.from_config(hub_config(folder))
+        return _from_config(hub_config(folder))
     why = hub_unreachable()
     source = model_id if why is None else _cached_snapshot(model_id)
     try:
         if source is None:
             raise OSError("not in the local cache")
-        return AutoModelForCausalLM.from_pretrained(source, **{dtype_kwarg(): torch.float32})  # fp32: the plan decides
+        from transformers import AutoConfig
+
+        cls = auto_class(AutoConfig.from_pretrained(source))
+        return cls.from_pretrained(source, **{dtype_kwarg(): torch.float32})  # fp32: the plan decides
     except (OSError, ValueError) as err:
         why = f"{why}; {err}" if why else f"{type(err).__name__}: {err}"
     cfg = hub_config(model_id)  # a HubError saying what to do when there is none
     print(f"colabkit: no weights for {model_id} ({why}); building it from its config with random weights")
-    return AutoModelForCausalLM.from_config(cfg)
+    return _from_config(cfg)
 
 
 register_family("hf:", _hf_builder)

@@ -83,6 +83,8 @@ class Technique:
       wrap_optimizer(optimizer, model, plan, ctx) -> optimizer-like (step/zero_grad/state_dict)
       load_model(name, plan, ctx, seq) -> model, or None to build it normally (e.g. qlora loading a
           hub model straight into 4-bit, so the 16-bit weights never exist)
+      witness(plan, ctx) -> (context, why): the context around the first training forward, and why()
+          afterwards: None when the technique acted, else the reason it did not (nothing dropped silently)
     """
 
     name: str
@@ -97,6 +99,7 @@ class Technique:
     make_optimizer: Hook | None = None
     wrap_optimizer: Hook | None = None
     load_model: Hook | None = None
+    witness: Hook | None = None
     # places_model(plan): True when prepare_model puts the model on the device itself (FSDP2 shards it
     # there block by block), so the Trainer does not move the whole model first
     places_model: Callable[[Any], bool] | None = None

@@ -128,6 +128,7 @@ class Trainer:
             if t.wrap_optimizer is not None:
                 self.optimizer = t.wrap_optimizer(self.optimizer, model, self.plan, self.ctx)
         self._contexts = [t.forward_context for t in techs if t.forward_context is not None]
+        self._witnesses = [t.witness for t in techs if t.witness is not None]  # checked in the first forward
         # fp16 compute needs loss scaling (techniques set ctx.loss_scaling); otherwise a no-op (scale 1.0).
         # host_unscaling: gradients offloaded to host memory are unscaled there with a blocking read of the scale
         self.scaler = host_unscaling((self.ctx.make_scaler or torch.amp.GradScaler)(self.ctx.device.type,
@@ -176,9 +177,15 @@ class Trainer:
         counts = torch.stack([torch.as_tensor(count(m.labels, head, m.size), device=self.ctx.device) for m in micro])
         n_window, n_micro = counts.sum().clamp(min=1), counts.tolist()
         total = torch.zeros((), device=self.ctx.device)
-        for mb, n in zip(micro, n_micro):
-            with self._phase("forward"), self.forward_context():
+        for i, (mb, n) in enumerate(zip(micro, n_micro)):
+            checks = [w(self.plan, self.ctx) for w in self._witnesses] if self.step_count == 0 and i == 0 else []
+            with self._phase("forward"), self.forward_context(), contextlib.ExitStack() as seen:
+                for context, _ in checks:
+                    seen.enter_context(context)
                 loss = self._micro(mb, head, n_window, n)
+            for why in (w() for _, w in checks):
+                if why:
+                    raise PlanError(why)
             if n == 0 and "labels" in mb.kwargs and self.loss_fn is None:
                 del loss  # the model's own mean over no tokens is NaN and adds nothing to the window
                 continue

@@ -65,6 +65,31 @@ def test_training_arguments_refuses_contradicting_keywords():
         hf.training_arguments("accum:4", output_dir="o", use_cpu=True, gradient_accumulation_steps=2)
     with pytest.raises(PlanError, match="optim='adamw_torch' contradicts"):
         hf.training_arguments("adamw8bit", output_dir="o", use_cpu=True, optim="adamw_torch")
+    # outside the plan: accumulation asked by keyword is refused as bf16 and checkpointing are
+    with pytest.raises(PlanError, match="gradient_accumulation_steps=4 is not in the plan 'baseline': add 'accum:4'"):
+        hf.training_arguments("baseline", output_dir="o", use_cpu=True, gradient_accumulation_steps=4)
+    assert hf.training_arguments("baseline", output_dir="o", use_cpu=True, gradient_accumulation_steps=1)
+
+
+def test_the_old_name_of_gradient_checkpointing_is_read_as_the_new_one():
+    """transformers 5.x reads gradient_checkpointing(_kwargs) only when activation_checkpointing is unset, which
+    training_arguments always sets: the old name was silently overruled (checkpointing off under plan 'baseline'
+    with gradient_checkpointing=True; on under 'checkpoint' with gradient_checkpointing=False)."""
+    if hf._checkpoint_field() != "activation_checkpointing":
+        pytest.skip(f"transformers {transformers.__version__} has gradient_checkpointing only (no alias to read)")
+    with pytest.raises(PlanError, match="activation_checkpointing=True is not in the plan 'baseline'"):
+        hf.training_arguments("baseline", output_dir="o", use_cpu=True, gradient_checkpointing=True)
+    with pytest.raises(PlanError, match="activation_checkpointing=False contradicts the plan 'checkpoint'"):
+        hf.training_arguments("checkpoint", output_dir="o", use_cpu=True, gradient_checkpointing=False)
+    args = hf.training_arguments("checkpoint", output_dir="o", use_cpu=True, gradient_checkpointing=True)
+    assert args.activation_checkpointing and args.gradient_checkpointing
+    with pytest.raises(PlanError, match="disagree"):
+        hf.training_arguments("checkpoint", output_dir="o", use_cpu=True, gradient_checkpointing=False,
+                              activation_checkpointing=True)
+    # control: transformers itself, given both names as training_arguments passes them, keeps the new one
+    raw = transformers.TrainingArguments(output_dir="o", use_cpu=True, gradient_checkpointing=True,
+                                         activation_checkpointing=False)
+    assert raw.activation_checkpointing is False
 
 
 def test_prepare_model_applies_the_model_side(monkeypatch):

@@ -21,7 +21,7 @@ import torch
 
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
-from ..models import HUB_ALIASES, HUB_CONFIG_DIR, gpt_config, hub_config
+from ..models import HUB_ALIASES, HUB_CONFIG_DIR, auto_class, gpt_config, hub_config
 from ..plan import REGISTRY, Context, Plan, PlanError
 from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_dir, ram_window_bytes
 from ..techniques.optimizers import HF_OPTIM
@@ -36,18 +36,15 @@ from .trace import CUDA_ALLOC_ROUND, block_grads_to_host
 
 
 def from_config(config: Any) -> Callable[[], torch.nn.Module]:
-    """A factory for a transformers model config: the class its ``architectures`` names (e.g.
-    ``BertForSequenceClassification``), else ``AutoModelForCausalLM`` (what :func:`estimate` builds for
-    a config)."""
-    import transformers
-
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
+    """A factory for a transformers model config: the class it is built as (:func:`~colabkit.models.auto_class`:
+    the one its ``architectures`` names, e.g. ``BertForSequenceClassification``, else ``AutoModelForSeq2SeqLM``
+    for an encoder-decoder, else ``AutoModelForCausalLM``)."""
+    cls = auto_class(config)
 
     def build() -> torch.nn.Module:
-        return cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+        return cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
 
-    build.__name__ = arch or f"{config.model_type} (AutoModelForCausalLM)"
+    build.__name__ = cls.__name__ if not cls.__name__.startswith("AutoModel") else f"{config.model_type} ({cls.__name__})"
     return build
 
 

@@ -325,8 +325,8 @@ def deep_model(model_fn: Any, seq: int) -> tuple[int, Callable[[int], Callable[[
         return None
     hub = hub_config(model_fn[3:])
     key = _depth_key(hub)
-    if key is None or getattr(hub, key) <= HF_DEEP:
-        return None
+    if key is None or getattr(hub, key) <= HF_DEEP or getattr(hub, "is_encoder_decoder", False):
+        return None  # (an encoder-decoder has two stacks, and its own depth keys for each: traced whole)
 
     def at(depth: int) -> Callable[[], torch.nn.Module]:
         c = copy.deepcopy(hub)

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from ..env import emulating_t4, sdpa_backends
 from ..memory import MemoryTracker
@@ -92,6 +93,38 @@ def _forward_context(backend: str):
         yield
 
 
+class SDPACalls(TorchFunctionMode):
+    """Notes in ``calls`` each ``scaled_dot_product_attention`` inside it, however the model reached it
+    (``F.``, imported by name, or through a wrapper that calls torch's own).
+
+    >>> calls = []
+    >>> with SDPACalls(calls):
+    ...     _ = F.scaled_dot_product_attention(*torch.ones(3, 1, 1, 4, 8))
+    >>> len(calls)
+    1
+    """
+
+    def __init__(self, calls: list[int]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SDPA:
+            self.calls.append(1)
+        return func(*args, **(kwargs or {}))
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is (or calls, when wrapped)
+NO_SDPA = ("no scaled_dot_product_attention call ran: the model computes attention itself, where no SDPA backend "
+           "applies")
+
+
+def _witness(plan: Plan, ctx: Context):
+    calls: list[int] = []
+    tok = f"attention:{plan.get('attention')}"
+    return SDPACalls(calls), lambda: None if calls else f"{tok} did not act in the first training forward ({NO_SDPA}): drop {tok!r} from the plan"
+
+
 register(Technique(
     name="attention",
     help="scaled-dot-product-attention backend: math (S² memory), efficient (linear; T4), flash (linear; sm80+)",
@@ -99,6 +132,7 @@ register(Technique(
     check=_check,
     prepare_model=_prepare,
     forward_context=lambda plan, ctx: _forward_context(plan.get("attention")),
+    witness=_witness,
     examples=("attention:math", "attention:efficient", "attention:flash"),
     order=60,
 ))

@@ -152,6 +152,42 @@ def _hf_checkpoint(model: torch.nn.Module, every: int) -> torch.nn.Module:
     return model
 
 
+def for_trainer(model: torch.nn.Module) -> None:
+    """Ready ``model`` for the checkpointing that transformers' Trainer turns on itself (``checkpoint`` is its
+    ``activation_checkpointing=True``). A transformers model's enabling call gets colabkit's recompute context
+    (``context_fn``): a block recomputed in backward re-enters the forward's contexts -- attention:*'s SDPA
+    backend; without it the recompute runs torch's default kernel, saves other shapes, and torch raises
+    CheckpointError. Any other module has its blocks checkpointed here, and gets the enabling call the
+    Trainer makes (a no-op: they are already checkpointed) instead of an AttributeError.
+
+    >>> from colabkit.models import build_model
+    >>> m = build_model("gpt:2x32"); for_trainer(m)
+    >>> m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    >>> [getattr(b, "_colabkit_checkpointed", False) for b in m.blocks]
+    [True, True]
+    """
+    top = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if _is_hf(top) and getattr(top, "supports_gradient_checkpointing", False):
+        name = "activation_checkpointing_enable" if hasattr(top, "activation_checkpointing_enable") \
+            else "gradient_checkpointing_enable"  # (transformers < 5)
+        key, real = name.replace("_enable", "_kwargs"), getattr(top, name)
+
+        @functools.wraps(real)
+        def enable(*args: Any, **kwargs: Any) -> Any:
+            kw = dict((args[0] if args else kwargs.pop(key, None)) or {"use_reentrant": False})
+            kw.setdefault("context_fn", _context_fn)
+            return real(*args[1:], **{key: kw}, **kwargs)
+        setattr(top, name, enable)
+        return
+    try:
+        checkpoint_blocks(top, every=1)
+    except ValueError as e:
+        raise PlanError(f"checkpoint: {e}; give the model a ModuleList of blocks (model.blocks) "
+                        "or call colabkit.checkpoint_blocks on your own module list") from None
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        setattr(top, name, lambda *args, **kwargs: None)
+
+
 def _prepare(model: torch.nn.Module, plan, ctx) -> torch.nn.Module:
     every = plan.get("checkpoint")
     if _is_hf(model) and getattr(model, "supports_gradient_checkpointing", False):

@@ -168,7 +168,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 class ChunkedLogits:
     """What an LM head returns under ``chunked-ce``: its input and weights, standing for the (B, S, V)
     logits it did not compute. Its only use is :meth:`cross_entropy_sum`; anything else a model does with
-    its logits inside ``forward`` is refused, naming it."""
+    its logits inside ``forward`` is refused, naming it. ``dtype`` is float32, what the loss is computed in:
+    accelerate's mixed-precision wrapper, which casts a forward's fp16/bf16 outputs to fp32, leaves it alone."""
+
+    dtype = torch.float32
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int):
         self.hidden, self.weight, self.bias, self.chunk = hidden, weight, bias, chunk

@@ -24,6 +24,8 @@ parses bytes and never unpickles.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 import pickle
@@ -72,15 +74,18 @@ def target_modules(model: nn.Module, which: Iterable[str] | None = None) -> list
     arch = _arch(model)
     if arch in TARGETS:
         attn, mlp = TARGETS[arch]
-    else:  # every linear layer that is not the head
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if (isinstance(m, nn.Linear) or is_conv1d(m)) and n.rsplit(".", 1)[-1] not in SKIP + HEADS})
-        attn, mlp = tuple(names), ()
+    else:  # every linear layer that is not the head; peft matches a name as the end of a module's dotted
+        # name, so a last name that other modules share (nn.Sequential's "0" is also ModuleList's block "0") is
+        # given whole
+        mods = list(model.named_modules())
+        linear = [n for n, m in mods if (isinstance(m, nn.Linear) or is_conv1d(m)) and n.rsplit(".", 1)[-1] not in SKIP + HEADS]
+        shared = {n.rsplit(".", 1)[-1] for n, m in mods if not (isinstance(m, nn.Linear) or is_conv1d(m))}
+        attn, mlp = tuple(sorted({n if n.rsplit(".", 1)[-1] in shared else n.rsplit(".", 1)[-1] for n in linear})), ()
     out: list[str] = []
     for w in which:
         names = {"all": attn + mlp, "attn": attn, "mlp": mlp}.get(w, (w,))
         out += [n for n in names if n not in out]
-    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    present = {x for n, _ in model.named_modules() for x in (n, n.rsplit(".", 1)[-1])}
     missing = [n for n in out if n not in present]
     if missing or not out:
         raise PlanError(f"LoRA targets {missing or which} are not modules of this {arch} model; "
@@ -105,8 +110,9 @@ def enable_input_grads(model: nn.Module) -> None:
     if getattr(model, "_colabkit_input_grads", False):
         return
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "wte", None)
-    if emb is None:
-        raise PlanError(f"cannot find the input embedding of {type(model).__name__} to enable input gradients")
+    emb = emb if emb is not None else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:  # (no token embedding: e.g. a conv stem) only reentrant checkpointing needs this, and
+        return       # colabkit's checkpointing and transformers' under colabkit's arguments are non-reentrant
     emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_(True) if not out.requires_grad else None)
     model._colabkit_input_grads = True
 
@@ -125,6 +131,17 @@ def task_heads(model: nn.Module, exclude: Iterable[str] = ()) -> list[str]:
                 and any(True for _ in m.parameters())):
             out.append(name)
     return out
+
+
+def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """Forward pre-hook of a model whose frozen base is stored in ``dtype``: its floating inputs in that dtype
+    (labels keep theirs: a regression target stays exact).
+
+    >>> _cast_inputs(None, (torch.ones(1),), {"labels": torch.ones(1)}, torch.bfloat16)[0][0].dtype
+    torch.bfloat16
+    """
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return tuple(map(cast, args)), {k: v if "label" in k else cast(v) for k, v in kwargs.items()}
 
 
 def _cast_to_head(module: nn.Module, args: tuple) -> tuple:
@@ -174,6 +191,10 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None
     elif base_dtype is not None:  # parameters only: buffers such as RoPE's inv_freq keep their precision
         for p in model.parameters():
             p.data = p.data.to(base_dtype)
+        if base_dtype != torch.float32 and not getattr(model, "_colabkit_input_cast", False):
+            # a model fed floats (images, audio; not token ids) meets its first frozen layer in the base's dtype
+            model.register_forward_pre_hook(functools.partial(_cast_inputs, dtype=base_dtype), with_kwargs=True)
+            model._colabkit_input_cast = True
     fan_in_fan_out = any(is_conv1d(m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names)
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
                      target_modules=names, bias="none", fan_in_fan_out=fan_in_fan_out)

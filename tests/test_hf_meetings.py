@@ -1,0 +1,126 @@
+"""Where two things meet under transformers' Trainer and TRL's SFTTrainer (issue 36, a new user's review of
+2026-11-27): checkpointing the Trainer turns on with an attention backend colabkit forces, accelerate's
+mixed-precision wrapper with chunked-ce, the old name of gradient checkpointing, and a user's own nn.Module
+with checkpoint, lora and attention:* -- each trains with its effect measured, or is stopped with its real
+reason. Each has a control that puts the old behaviour back and must be caught.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+
+from colabkit import PlanError, Trainer, build_model  # noqa: E402
+from colabkit import hf  # noqa: E402
+from colabkit.techniques import chunked_ce  # noqa: E402
+from tests.test_hf_paths import (KINDS, V, _fresh_bitsandbytes_overrides, baselines, data, needs_trl,  # noqa: E402,F401
+                                 run)
+
+
+def _kinds():
+    return [pytest.param(k, marks=[needs_trl] if k == "trl" else []) for k in KINDS]
+
+
+def _losses(r) -> list[float]:
+    return [h["loss"] for h in r.trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_checkpointing_the_trainer_turns_on_recomputes_under_the_forced_backend(kind, data, tmp_path, monkeypatch):
+    """checkpoint (the Trainer's activation_checkpointing) with attention:math: the recompute in backward runs
+    under the forward's SDPA backend, so it trains; checkpointing changes no number (losses equal attention:math
+    alone within 1e-5) and frees activations. Control: without colabkit's context_fn on the Trainer's enabling
+    call the recompute runs torch's default kernel, saves other shapes, and torch raises CheckpointError."""
+    both = run(kind, "checkpoint+attention:math", data, tmp_path / "both")
+    alone = run(kind, "attention:math", data, tmp_path / "alone")
+    assert _losses(both) == pytest.approx(_losses(alone), rel=1e-5)
+    assert both.acts < alone.acts
+    assert both.model._colabkit_ran["attention:math"] == 2
+    monkeypatch.setattr(hf, "for_trainer", lambda model: None)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        run(kind, "checkpoint+attention:math", data, tmp_path / "old")
+
+
+def test_bf16_with_chunked_ce_under_accelerates_fp32_outputs(data, baselines, tmp_path, monkeypatch):
+    """accelerate wraps the forward to cast fp16/bf16 outputs to fp32 and asks each output its dtype: the logits'
+    stand-in answers float32 (what the chunked loss is computed in), so bf16+chunked-ce trains and the full
+    logits never exist. Control: a stand-in without a dtype was refused as "the model uses its logits"."""
+    r, bf16 = run("hf", "bf16+chunked-ce", data, tmp_path / "new"), run("hf", "bf16", data, tmp_path / "bf16")
+    b, s = r.shapes[0]
+    assert r.acts <= bf16.acts - b * s * V * 2, (r.acts, bf16.acts)  # at least the (B, S, V) bf16 logits
+    assert r.model._colabkit_ran["chunked-ce"] == 2
+    monkeypatch.delattr(chunked_ce.ChunkedLogits, "dtype")
+    with pytest.raises(PlanError, match=r"uses its logits inside forward \(\.dtype\)"):
+        run("hf", "bf16+chunked-ce", data, tmp_path / "old")
+
+
+@needs_trl
+def test_trl_fused_head_is_named_under_accelerates_wrappers(data, tmp_path):
+    """Under bf16 accelerate wraps TRL's fused forward (autocast, outputs to fp32): the stop still names TRL's fused
+    head, not a missing label (what it said while only the outermost forward was looked at)."""
+    with pytest.raises(PlanError, match="did not run in the first training step") as e:
+        run("trl", "bf16+chunked-ce", data, tmp_path)
+    assert "TRL's fused LM head" in str(e.value) and "without labels" not in str(e.value)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))  # children "0" and "2"
+
+    def forward(self, x):
+        return x + self.ff(self.ln(x))
+
+
+class MyLM(nn.Module):
+    """A user's own language model: no config, no gradient_checkpointing_enable, attention-free blocks in a
+    ModuleList (their names "0", "1" shared with the Sequential's), its own loss."""
+
+    def __init__(self, d: int = 64, layers: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(layers)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, input_ids, labels=None, **kw):
+        x = self.emb(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x)
+        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"logits": logits, "loss": loss}
+
+
+def test_own_module_under_the_trainer_checkpoints_and_takes_lora(data, tmp_path):
+    """checkpoint: prepare_model checkpoints the blocks and answers the Trainer's enabling call (it raised
+    AttributeError: no gradient_checkpointing_enable); the losses equal the plain run's and activations drop.
+    lora:8: adapters on the Linear layers only (the Sequential's "0" is also block "0": given whole).
+    Control: without prepare_model, MemoryCallback stops the run at the Trainer's construction with the reason."""
+    plain = run("hf", "baseline", data, tmp_path / "plain", make=MyLM)
+    ckpt = run("hf", "checkpoint", data, tmp_path / "ckpt", make=MyLM)
+    assert _losses(ckpt) == pytest.approx(_losses(plain), rel=1e-5)
+    assert ckpt.acts < 0.7 * plain.acts, (ckpt.acts, plain.acts)
+    lora = run("hf", "lora:8", data, tmp_path / "lora", make=MyLM)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in lora.model.named_parameters() if ".lora_A" in n}
+    assert "blocks.0.ff.0" in adapted and "blocks.0" not in adapted
+    assert all("lora_" in n for n, p in lora.model.named_parameters() if p.requires_grad)
+    args = hf.training_arguments("checkpoint", output_dir=str(tmp_path / "raw"), use_cpu=True, report_to="none")
+    with pytest.raises(PlanError, match="MyLM has no such method: call colabkit.hf.prepare_model"):
+        transformers.Trainer(model=MyLM(), args=args, train_dataset=data["hf"],
+                             callbacks=[hf.MemoryCallback(live_plot=False, print_table=False)])
+
+
+def test_attention_on_a_model_without_sdpa_is_stopped_in_both_loops(data, tmp_path):
+    """attention:* acts only where the model calls scaled_dot_product_attention: a model that computes no SDPA is
+    stopped at its first training forward -- under transformers' Trainer (its context was entered, which is not
+    acting) and in colabkit's own Trainer. Control: a GPT, which calls SDPA, trains in both."""
+    with pytest.raises(PlanError, match="no scaled_dot_product_attention call ran"):
+        run("hf", "attention:math", data, tmp_path / "own", make=MyLM)
+    ids = torch.randint(0, V, (2, 16))
+    with pytest.raises(PlanError, match="no scaled_dot_product_attention call ran"):
+        Trainer(MyLM(), "attention:math", device="cpu").step({"input_ids": ids, "labels": ids})
+    run("hf", "attention:math", data, tmp_path / "gpt", make=lambda: build_model("llama:2x128"))
+    assert Trainer(build_model("gpt:2x32:v256"), "attention:math", device="cpu").step(ids, ids) > 0
