@@ -195,7 +195,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train_line(r: dict) -> str:
     loss = "(not recorded)" if r.get("loss") is None else f"{r['loss']:.4f}"
     head = "run complete, nothing to train: " if r.get("complete") else ""
-    return f"{head}step {r['step']}  loss {loss}  weights sha256 {(r.get('weights_sha256') or '-')[:16]}"
+    peak = "" if r.get("peak_bytes") is None else f"  peak {fmt_bytes(r['peak_bytes'])} (measured)"
+    budget = "" if r.get("budget_bytes") is None else f" of a {fmt_bytes(r['budget_bytes'])} budget"
+    return (f"{head}step {r['step']}  loss {loss}{peak}{budget if peak else ''}  "
+            f"weights sha256 {(r.get('weights_sha256') or '-')[:16]}")
 
 
 @subcommand("train", "a real training run with checkpoints and exact resume", _train_args, _train_line)
@@ -225,7 +228,9 @@ def _train(args: argparse.Namespace) -> dict:
                 track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim,
                 deterministic=det, budget_bytes=args.budget_bytes)
     keys = ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks", "resumed_from", "simulated")
-    return {"plan": out.get("plan"), **{k: out[k] for k in keys}}
+    report = out.get("report") or {}  # the tracker's measured peak (none with --no-track)
+    return {"plan": out.get("plan"), **{k: out[k] for k in keys}, "peak_bytes": report.get("peak_bytes"),
+            "budget_bytes": args.budget_bytes}
 
 
 LIBRARY_LOGGERS = ("transformers", "peft", "accelerate", "bitsandbytes", "torchao", "huggingface_hub", "torch")

@@ -207,13 +207,34 @@ def n_classes(model: torch.nn.Module, head: str) -> int | None:
     m = unwrap(model)
     cfg = getattr(m, "config", None)
     if head == "sequence-classification" or type(m).__name__.endswith("ForTokenClassification"):
-        return getattr(cfg, "num_labels", None)
+        n = getattr(cfg, "num_labels", None)
+        return n if isinstance(n, int) else getattr(m, "_colabkit_classes", None)
     emb = m.get_output_embeddings() if callable(getattr(m, "get_output_embeddings", None)) else None
     w = getattr(emb, "weight", None)
     if isinstance(w, torch.Tensor) and w.ndim == 2 and w.is_floating_point():  # not a packed 4-bit weight
         return w.shape[0]
     n = getattr(cfg, "vocab_size", None)
-    return n if isinstance(n, int) else None
+    return n if isinstance(n, int) else getattr(m, "_colabkit_classes", None)  # (learned: learn_classes)
+
+
+def learn_classes(model: torch.nn.Module, out: Any, b: Batch, head: str) -> None:
+    """After a forward of a model whose number of classes nothing names (a plain module's classifier: no config,
+    no LM head), learn it from the logits (their last dimension) and check this batch's labels against it (one
+    device sync, once); later batches are checked before their forward (:func:`check_labels`), as an LM's are.
+
+    >>> m, b = torch.nn.Linear(4, 3), Batch((torch.zeros(2, 4),), {}, torch.tensor([0, 3]))
+    >>> learn_classes(m, torch.zeros(2, 3), b, "sequence-classification")
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: labels hold 1 ids outside [0, 3) (min 3, max 3; -100 is the only negative allowed); this classification head needs labels of shape (2,) and dtype torch.long (class ids in [0, 3)), or float labels: (2,) for regression (one output), (2, 3) for multi-label: check that the tokenizer matches the model (its vocabulary) or the number of classes (config.num_labels)
+    """
+    if n_classes(model, head) is not None or not isinstance(b.labels, torch.Tensor) or b.labels.is_floating_point():
+        return
+    logits = logits_of(out)
+    if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
+        return
+    unwrap(model)._colabkit_classes = int(logits.shape[-1])
+    check_labels(model, b, head)
 
 
 def _main_input(b: Batch) -> torch.Tensor | None:
@@ -257,14 +278,17 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         else:
             # other inputs (pixel_values: segmentation maps, ...): only the batch dimension is known
             shape, where, ok = f"({b.size}, ...)", "(one per position)", y.ndim >= 1 and y.shape[0] == b.size
-        want = f"this {head} head needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
+        what = "step(x, y)'s y (each input position's target)" if b.aligned and not seq2seq else f"this {head} head"
+        want = f"{what} needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
         if y.dtype != torch.long or not ok:
             raise PlanError(f"{got}; {want}")
     elif head == "sequence-classification":
-        want = (f"this sequence-classification head needs labels of shape ({b.size},) and dtype torch.long ({ids}), "
-                f"or float labels ({b.size},) / ({b.size}, classes) for regression or multi-label")
+        want = (f"this classification head needs labels of shape ({b.size},) and dtype torch.long ({ids}), "
+                f"or float labels: ({b.size},) for regression (one output), ({b.size}, {n or 'classes'}) for multi-label")
         ok_int = y.dtype == torch.long and y.ndim == 1
-        if y.ndim == 0 or y.shape[0] != b.size or not (ok_int or y.is_floating_point()):
+        # float labels: regression with one output, else multi-label with one per class (transformers' problem_type)
+        ok_float = y.is_floating_point() and (n in (None, 1) or tuple(y.shape) == (b.size, n))
+        if y.ndim == 0 or y.shape[0] != b.size or not (ok_int or ok_float):
             raise PlanError(f"{got}; {want}")
         if y.is_floating_point() or n == 1:  # regression / multi-label: no class ids to range-check
             return
@@ -319,9 +343,11 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, head: str, problem_t
 
 
 def _mismatch(logits: torch.Tensor, labels: torch.Tensor):
-    raise PlanError(f"cannot make a loss from the model's output {tuple(logits.shape)} and labels {tuple(labels.shape)}: "
-                    "for a language model give labels shaped like input_ids (B, S); for classification one class id "
-                    "per example (B,); for anything else pass loss_fn=f(outputs, labels, num_items_in_batch)")
+    raise PlanError(f"cannot make a loss from the model's output {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+                    f"of dtype {labels.dtype}: for a language model give labels shaped like input_ids (B, S), dtype "
+                    "torch.long; for classification one class id per example, shape (B,), dtype torch.long (float "
+                    "labels are regression targets (B,) with one output, or multi-label (B, classes)); for anything "
+                    "else pass loss_fn=f(outputs, labels, num_items_in_batch)")
 
 
 def loss_of(out: Any) -> torch.Tensor | None:

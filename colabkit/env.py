@@ -339,8 +339,8 @@ def emulate_t4(enable: bool = True) -> dict[str, Any]:
     """Make a bigger GPU behave like a Colab T4: cap this process to a T4's usable memory and refuse
     bf16 and flash attention, so that peaks and OOMs match what a T4 would see (speed does not).
 
-    >>> emulate_t4()["emulating_t4"] in (True, False)
-    True
+    >>> emulate_t4()["emulating_t4"], emulate_t4(False)["emulating_t4"]
+    (True, False)
     """
     global _EMULATING_T4
     _EMULATING_T4 = bool(enable)

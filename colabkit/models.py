@@ -366,10 +366,14 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
     try:
         if source is None:
             raise OSError("not in the local cache")
-        from transformers import AutoConfig
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-        cls = auto_class(AutoConfig.from_pretrained(source))
-        return cls.from_pretrained(source, **{dtype_kwarg(): torch.float32})  # fp32: the plan decides
+        try:
+            return AutoModelForCausalLM.from_pretrained(source, **{dtype_kwarg(): torch.float32})  # fp32: the plan decides
+        except ValueError as err:  # "Unrecognized configuration class": an encoder-decoder (T5, BART)
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            return AutoModelForSeq2SeqLM.from_pretrained(source, **{dtype_kwarg(): torch.float32})
     except (OSError, ValueError) as err:
         why = f"{why}; {err}" if why else f"{type(err).__name__}: {err}"
     cfg = hub_config(model_id)  # a HubError saying what to do when there is none

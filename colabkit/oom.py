@@ -162,7 +162,8 @@ def batch_size(batch: Any) -> int:
 class OOMHandling(Callback):
     """What the train loop does when a step runs out of memory.
 
-    ``on_oom="shrink"``: free the failed step, halve the micro-batch (doubling the accumulation: same
+    ``on_oom="shrink"``: free the failed step, halve the micro-batch at least, into equal parts (the accumulation
+    the smallest divisor of the batch at least twice the current one: 8 -> 4 -> 2 -> 1, 6 -> 3 -> 1; same
     effective batch, same normalisation by the window's tokens) and retry the same data from the same RNG
     state, until one sequence per micro-batch. Otherwise (``"stop"``, or a shrink that cannot go further):
     with a tracker, the post-mortem (:func:`oom_guard`: freed, snapshot saved, categories shown, a plan that
@@ -196,18 +197,20 @@ class OOMHandling(Callback):
                 return trainer.step(*batch) if isinstance(batch, tuple) else trainer.step(batch)
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 k = trainer.accum
-                if self.mode != "shrink" or not is_oom(err) or size % (2 * k):
+                # at least halve the micro-batch, into equal parts: the smallest divisor of the batch >= 2k (6: 6 -> 3 -> 1)
+                to = next((d for d in range(2 * k, size + 1) if size % d == 0), None)
+                if self.mode != "shrink" or not is_oom(err) or to is None:
                     raise
                 free_after_oom(trainer, err)
                 msg = str(err).splitlines()[0] if str(err) else "out of memory"
                 del err
-                trainer.accum = 2 * k
+                trainer.accum = to
                 torch.set_rng_state(rng[0])
                 if rng[1] is not None:
                     torch.cuda.set_rng_state_all(rng[1])
-                shrink = {"step": trainer.step_count, "micro_batch": size // k, "to_micro_batch": size // (2 * k),
-                          "accum": 2 * k}
+                shrink = {"step": trainer.step_count, "micro_batch": size // k, "to_micro_batch": size // to,
+                          "accum": to}
                 run.oom_shrinks.append(shrink)
                 print(f"colabkit: out of memory at step {trainer.step_count} with micro-batch {size // k}; "
-                      f"retrying with micro-batch {size // (2 * k)} x accum {2 * k} (effective batch {size})")
+                      f"retrying with micro-batch {size // to} x accum {to} (effective batch {size})")
                 run.fire("on_oom", {"step": trainer.step_count + 1, "error": msg, "recovered": True, "shrink": shrink})

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .batches import Batch, LossFn, check_labels, count, head_of, make_batch, micro_loss
+from .batches import Batch, LossFn, check_labels, count, head_of, learn_classes, make_batch, micro_loss
 from .env import default_device, env
 from .data import TextData
 from .device import host_unscaling
@@ -164,6 +164,8 @@ class Trainer:
     def _micro(self, b: Batch, head: str, n_window: torch.Tensor | int, n_micro: int) -> torch.Tensor:
         """One micro-batch's forward and its share of the window's mean loss."""
         out = self.model(*b.args, **b.kwargs)
+        if self.loss_fn is None:
+            learn_classes(self.model, out, b, head)  # a plain classifier's class count, once: its ids checked
         problem = getattr(getattr(self.model, "config", None), "problem_type", None)
         return micro_loss(out, b, head, n_window, n_micro, self.accum, self.loss_fn, problem)
 

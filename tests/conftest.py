@@ -49,6 +49,17 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _not_emulating_a_t4():
+    """Each test starts with T4 emulation off, the process's default: it is a process-wide switch that the CLI's
+    in-process main([... "--t4"]) and colabkit.emulate_t4() turn on, and a test that needs it turns it on itself
+    (until 2026-11-27 the env doctest left it on for every later test of the fast set)."""
+    from colabkit.env import emulate_t4
+
+    emulate_t4(False)
+    yield
+
+
 # notebooks/conftest.py carries doctests, so --doctest-modules imports it as the module "conftest"; this
 # file has none, and collecting it too would import a second "conftest" (pytest: "import file mismatch").
 collect_ignore = ["conftest.py"]

@@ -51,6 +51,21 @@ def test_train_factory_auto_respects_the_budget(few_candidates, capsys):
     assert train(factory, plan="baseline", **kw)["report"]["peak_bytes"] > budget
 
 
+def test_train_auto_trains_what_its_plan_named_trains(few_candidates):
+    """A factory that does not seed: train(factory, plan="auto") ends with the weights of train(factory, plan=<the
+    plan auto chose>) -- the same seed, the same initial weights. Until 2026-11-27 auto built the model itself
+    before train seeded, from the RNG as the estimate left it."""
+    from colabkit import weights_sha256
+
+    unseeded = lambda: build_model("gpt:2x64")  # noqa: E731
+    kw = dict(steps=2, batch=4, seq=32, device="cpu", progress=False, seed=3)
+    torch.manual_seed(123)  # whatever state the process is in
+    auto = train(unseeded, plan="auto", **kw)
+    named = train(unseeded, plan=auto["plan"], **kw)
+    assert weights_sha256(auto["trainer"].model) == weights_sha256(named["trainer"].model)
+    assert auto["losses"] == named["losses"]
+
+
 def test_trainer_auto_builds_the_planners_choice(few_candidates, monkeypatch, capsys):
     t = Trainer(factory, "auto", device="cpu")  # said before: unknown plan token 'auto'
     rows = [r for r in few_candidates(factory, 8, 128, None, "cpu", None, None) if r["fits"]]
@@ -74,6 +89,11 @@ def test_cli_train_plan_auto_on_your_own_factory(few_candidates, tmp_path, capsy
     assert r["plan"] in CANDIDATES and r["step"] == 2 and f"auto: {r['plan']}" in err
     assert main([*argv[:2], f"{src}:nothing", *argv[3:]]) == 2  # a name the file does not define: one line
     assert "has no function or model named 'nothing'" in capsys.readouterr().err
+    # tracked, with a budget: the answer carries the measured peak, so a CLI user sees that auto kept to it
+    budget = 64 * 2**20
+    assert main([*[a for a in argv if a != "--no-track"], "--budget-bytes", str(budget)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert 0 < r["peak_bytes"] <= budget and r["budget_bytes"] == budget
 
 
 def test_train_auto_on_your_data_estimates_its_batch(few_candidates, capsys):

@@ -142,3 +142,22 @@ def colabkit_measure(name: str) -> int:
     r = measure(name, "baseline", batch=2, seq=32, steps=2, device="cpu")
     assert r["ok"], r["error"]
     return r["peak_bytes"]
+
+
+def test_estimating_first_leaves_how_models_are_built_as_it_was():
+    """A fresh process that estimates before it builds any transformers model, then builds one: the same weights
+    as a build without the estimate (until 2026-11-27 the trace swapped torch.nn.init's initialisers for no-ops
+    while it built, and transformers, first imported inside, kept the no-ops: every later model started from
+    randn weights, loss ~125 instead of ~5.5, and plan='auto' trained other weights than its own plan)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, colabkit; colabkit.estimate('llama:2x128', 'baseline', batch=1, seq=16, gpu='t4'); "
+            "torch.manual_seed(0); print(colabkit.weights_sha256(colabkit.build_model('llama:2x128')))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root, "COLABKIT_TRACE_CACHE": "off"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch.manual_seed(0)
+    assert out.stdout.split()[-1] == weights_sha256(build_model("llama:2x128"))

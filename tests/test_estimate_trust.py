@@ -178,7 +178,7 @@ def test_a_deep_hub_model_is_extrapolated_by_segment_as_its_full_trace(monkeypat
     assert lines["peak_bytes"] < 0.97 * ref["peak_bytes"]
 
 
-@pytest.mark.slow  # ~10 s of full traces; fast twin: the doctest of colabkit.estimate.depth._middle_lines
+@pytest.mark.slow  # ~10 s of full traces; fast twin: test_estimate_fast.py::test_a_peak_that_moves_with_depth_is_extrapolated_from_its_segment
 def test_alternating_sliding_and_global_blocks_extrapolate_as_their_full_trace(tmp_path, monkeypatch):
     """A Gemma-2-shaped model (10 blocks alternating sliding-window and global attention, a local folder's
     config) at 8x its window: estimated from 2 and 3 blocks, checkpointed, it equals the full 10-block trace.

@@ -109,7 +109,9 @@ def test_shrink_recovers_with_same_weights(error, capsys):
     assert out["accum"] == 4 and out["micro_batch"] == 2 and model.sizes[:3] == [8, 4, 2]
     assert "retrying with micro-batch 2 x accum 4 (effective batch 8)" in capsys.readouterr().out
     ref = train(_OOMAbove(limit=10**9), plan="accum:4", **kw)  # micro-batch 2 from the start
-    assert _max_diff(out["trainer"].model.state_dict(), ref["trainer"].model.state_dict()) <= 1e-6
+    assert _max_diff(out["trainer"].model.state_dict(), ref["trainer"].model.state_dict()) == 0  # the same sums
+    whole = train(_OOMAbove(limit=10**9), **kw)  # never shrank: one micro-batch of 8, other fp32 summation order
+    assert _max_diff(out["trainer"].model.state_dict(), whole["trainer"].model.state_dict()) <= 1e-6  # (7e-7)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-6)
     # negative control: halving the effective batch instead (what find_executable_batch_size does) changes them
     half = train(_OOMAbove(limit=10**9), **{**kw, "batch": 4})
@@ -122,6 +124,16 @@ def test_stop_writes_checkpoint_and_postmortem(tmp_path, monkeypatch):
         train(_OOMAbove(limit=2), steps=2, batch=8, seq=32, device="cpu", progress=False,
               checkpoint_dir=str(tmp_path / "ck"))
     assert os.listdir(tmp_path / "ck") == ["ckpt-00000000.ckpt"]  # the state before the failed step
+
+
+def test_shrink_goes_to_one_sequence_through_equal_parts(capsys):
+    """A batch of 6 that fits one sequence at a time: 6 -> 3 -> 1 (3 cannot be halved into equal parts, 1 can take
+    it; shrinking stopped at 3 until 2026-11-27), the weights those of accum:6."""
+    kw = dict(steps=2, batch=6, seq=32, seed=1, device="cpu", progress=False)
+    out = train(_OOMAbove(limit=1), on_oom="shrink", **kw)
+    assert [(s["micro_batch"], s["to_micro_batch"], s["accum"]) for s in out["oom_shrinks"]] == [(6, 3, 2), (3, 1, 6)]
+    ref = train(_OOMAbove(limit=10**9), plan="accum:6", **kw)
+    assert _max_diff(out["trainer"].model.state_dict(), ref["trainer"].model.state_dict()) == 0
 
 
 def test_shrink_gives_up_at_one_sequence(tmp_path, monkeypatch):

@@ -181,7 +181,7 @@ def test_images_and_tuples_and_xy_still_work():
 
 
 @pytest.mark.parametrize("model, batch, y, match", [
-    (bert, "tokens", "tokens", "sequence-classification head needs labels of shape"),  # LM targets: raw ValueError before
+    (bert, "tokens", "tokens", "classification head needs labels of shape"),  # LM targets: raw ValueError before
     (ConvNet, "img-no-labels", None, "no 'labels'"),
     (ConvNet, "img-extra-key", None, "also has \\['token_type_ids'\\]"),
     (gpt2, "x-only", None, "needs the targets"),
@@ -298,3 +298,31 @@ def test_measure_of_a_built_model_says_to_pass_a_factory():
     assert not r["ok"] and "a function that builds the model, not a built GPT" in r["error"]
     ok = measure(lambda: build_model("gpt:2x64"), "baseline", batch=2, seq=16, steps=1, device="cpu")
     assert ok["ok"] and ok["peak_bytes"] > 0  # negative control: the factory form is measured
+
+
+def test_labels_a_plain_classifier_cannot_take_get_colabkits_error(monkeypatch):
+    """A plain module's classifier names no class count: colabkit learns it from the first logits (10) and
+    refuses an id of 10 naming the shape, the dtype and the range -- before, F.cross_entropy's raw "Target 10 is
+    out of bounds" (a device-side assert on a GPU). Float labels of one per example on a 3-class transformers
+    classifier are neither regression (one output) nor multi-label ((B, 3)): refused before transformers' BCE
+    error. Control: without learning the count, torch's IndexError is what the user sees."""
+    import colabkit.trainer as trainer_mod
+
+    img = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([3, 10])}
+    with pytest.raises(PlanError, match=r"outside \[0, 10\).*shape \(2,\) and dtype torch.long"):
+        Trainer(ConvNet(), "baseline", device="cpu").step(img)
+    t = Trainer(ConvNet(), "baseline", device="cpu")
+    t.step({**img, "labels": torch.tensor([3, 9])})
+    with pytest.raises(PlanError, match=r"outside \[0, 10\)"):  # later batches: checked before their forward
+        t._batch({**img, "labels": torch.tensor([3, 10])}, None)
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cls = LlamaForSequenceClassification(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=2, num_labels=3,
+                                                     pad_token_id=0))
+    ids = torch.randint(1, V, (2, 8))
+    with pytest.raises(PlanError, match=r"\(2,\) for regression \(one output\), \(2, 3\) for multi-label"):
+        Trainer(cls, "baseline", device="cpu").step({"input_ids": ids, "labels": torch.tensor([0.0, 2.0])})
+    monkeypatch.setattr(trainer_mod, "learn_classes", lambda *a: None)
+    with pytest.raises(IndexError, match="out of bounds"):
+        Trainer(ConvNet(), "baseline", device="cpu").step(img)

@@ -71,7 +71,10 @@ def _choose(model: Any, *a: Any, **kw: Any) -> dict[str, Any]:
         if not isinstance(model, torch.nn.Module):
             raise
         raise PlanError(f"plan='auto' could not estimate this built {type(model).__name__} ({type(e).__name__}: {e}): "
-                        "pass its name (e.g. 'gpt2-124m') or a function that builds it") from e
+                        "auto estimates (batch, seq) token ids unless told what the model takes -- describe its batch: "
+                        "plan = colabkit.choose_plan(model, inputs={'pixel_values': ((B, 3, H, W), torch.float32), "
+                        "'labels': ((B,), torch.long)})['plan'], then give that plan (colabkit.train(model, data=...) "
+                        "with plan='auto' reads the inputs from your data's first batch)") from e
 
 
 def train_auto(model: Any, **kw: Any) -> dict[str, Any]:
@@ -114,10 +117,11 @@ def _first_batch(model: Any, kw: dict[str, Any]) -> tuple[int, int, dict[str, to
 def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
     """Train with ``choice["ranked"]``'s plans in turn until one runs without an out-of-memory."""
     kw["on_oom"] = "shrink"
-    built = isinstance(model, (str, torch.nn.Module)) or not callable(model)
     for i, p in enumerate(choice["ranked"]):
         try:
-            out = train(model if built else model(), plan=p, **kw)  # train takes a name or a module
+            # a function is given as it is: train builds it after seeding, as with the plan named (built here, it
+            # took the RNG as the estimate left it: other initial weights than the chosen plan's own run)
+            out = train(model, plan=p, **kw)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err) or i + 1 == len(choice["ranked"]):
                 raise
