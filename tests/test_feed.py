@@ -171,3 +171,16 @@ def test_a_text_column_is_refused_saying_to_tokenize_or_drop_it():
         train("gpt:2x64", data=rows, steps=1, batch=2, **KW)
     out = train("gpt:2x64", data=[{k: v for k, v in r.items() if k != "text"} for r in rows], steps=1, batch=2, **KW)
     assert out["step"] == 1  # negative control: without the column it trains
+
+
+def test_ready_batches_decide_their_size_and_the_run_says_so(capsys):
+    """A DataLoader's batch_size and a list of batch dicts decide a step's size, whatever train(batch=) says --
+    and the run says so, where train's batch= is not what steps (it was silent). Examples are grouped by batch=."""
+    kw = dict(steps=1, seq=16, device="cpu", progress=False, batch=8)
+    rows = [{"input_ids": _window(i), "labels": _window(i)} for i in range(16)]
+    out = train(lambda: build_model("gpt:2x32"), data=torch.utils.data.DataLoader(rows, batch_size=4), **kw)
+    assert out["micro_batch"] == 4 and "a batch of 4 as the DataLoader makes it" in capsys.readouterr().out
+    out = train(lambda: build_model("gpt:2x32"), data=batch_dicts(), **kw)
+    assert out["micro_batch"] == 4 and "one of your batches as it is (4 per step)" in capsys.readouterr().out
+    out = train(lambda: build_model("gpt:2x32"), data=rows, **kw)  # examples: grouped by batch=, nothing to say
+    assert out["micro_batch"] == 8 and "each step takes" not in capsys.readouterr().out
