@@ -228,7 +228,8 @@ def _train(args: argparse.Namespace) -> dict:
                 track=not args.no_track, log=args.log, log_dir=args.log_dir, offload_sim=args.offload_sim,
                 deterministic=det, budget_bytes=args.budget_bytes)
     keys = ("step", "loss", "weights_sha256", "complete", "losses", "accum", "oom_shrinks", "resumed_from", "simulated")
-    report = out.get("report") or {}  # the tracker's measured peak (none with --no-track)
+    # the tracker's measured peak of the steps this command trained (none with --no-track, or when none was left)
+    report = (out.get("report") or {}) if not out.get("complete") else {}
     return {"plan": out.get("plan"), **{k: out[k] for k in keys}, "peak_bytes": report.get("peak_bytes"),
             "budget_bytes": args.budget_bytes}
 

@@ -39,7 +39,8 @@ class MemoryAlerts(Callback):
             what = (f"peak memory is past {tracker.alert_at or 0.9:.0%} of the budget ({fmt_bytes(tracker.budget_bytes)})"
                     if kind == "device" else f"host RAM use is past 90% of {fmt_bytes(self.host_limit)} (Colab's limit)")
             try:
-                s = suggest_plan(run.model_name, run.batch, run.seq, gpu=run.gpu, budget_bytes=tracker.budget_bytes)
+                with tracker.paused():  # the planner's own work is not the run's memory
+                    s = suggest_plan(run.model_name, run.batch, run.seq, gpu=run.gpu, budget_bytes=tracker.budget_bytes)
                 tip = (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
                        f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
             except Exception as e:  # noqa: BLE001  (an alert must never stop training)

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .collectives import collective, compute_device, install_strict, rank_tensor
 from .checkpoints import CheckpointError
 from .data import TextData
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, check_batch
 from .train import measure
 from .trainer import Trainer, load_model, weights_sha256
 
@@ -316,9 +316,7 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _sharded_only(plans: Sequence[str]) -> None:
     for p in plans:
-        if "zero" not in Plan.parse(p):
-            raise PlanError(f"plan {p!r} has no zero:N token: on several ranks each would train its own copy; "
-                            "add zero:1, zero:2 or zero:3, or run it without --world-size")
+        check_batch(Plan.parse(p), 0, world_size=2)  # (0: every accum divides it) a zero:N token, or refused
 
 
 def bench_sharded(model: str, plans: Sequence[str], world_size: int = 2, batch: int = 8, seq: int = 128,

@@ -250,6 +250,25 @@ class MemoryTracker(Ledger):
             # history stays on until snapshot() is called or the next tracker starts
             pass
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside, nothing is tracked (the dispatch modes are off): work that is not the run's -- the planner's
+        estimate behind an alert or a post-mortem -- stays out of its peaks.
+
+        >>> with MemoryTracker(device="cpu") as mt:
+        ...     with mt.paused():
+        ...         x = torch.ones(1024)
+        >>> mt.report()["tracked_peak_bytes"]
+        0
+        """
+        if self._mode is None:
+            yield
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            yield
+
     def watch(self, model: torch.nn.Module | None = None, optimizer: Any = None) -> "MemoryTracker":
         """Add a model or optimizer created after the tracker started (e.g. inside the block)."""
         if model is not None and all(model is not m for m in self.models):

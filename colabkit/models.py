@@ -237,7 +237,14 @@ def local_folder(model_id: str) -> str | None:
     True
     """
     path = os.path.expanduser(model_id)
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if model_id.startswith(("/", "./", "../", "~")) or os.path.isdir(path):  # a path, not a hub id: say what is wrong
+        why = "has no config.json (from_pretrained's folders hold one)" if os.path.isdir(path) else "does not exist"
+        raise HubError(f"hf:{model_id}: the folder {why}: give a folder a model or its config was saved to "
+                       "(model.save_pretrained(folder) or config.save_pretrained(folder)), or a hub id such as "
+                       "hf:Qwen/Qwen2.5-0.5B")
+    return None
 
 
 def _has_weights(folder: str) -> bool:

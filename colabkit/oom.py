@@ -141,8 +141,9 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
                      "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None}
     if model is not None and batch and seq and _SUGGESTER is not None:
         try:
-            pm.report["suggestion"] = suggest_plan(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
-                                                   candidates=candidates)
+            with tr.paused():  # the planner's own work is not the run's memory
+                pm.report["suggestion"] = suggest_plan(model, batch, seq, gpu=gpu, budget_bytes=tr.budget_bytes,
+                                                       candidates=candidates)
             if pm.report["suggestion"] is None:
                 pm.report["suggestion_error"] = "no candidate plan fits: use a smaller batch, sequence or model"
         except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)

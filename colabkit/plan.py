@@ -61,6 +61,25 @@ def flag(arg: str | None) -> bool:
     return True
 
 
+def check_batch(plan: "Plan", batch: int, world_size: int = 1) -> None:
+    """PlanError for a batch or world size ``plan`` cannot run with, as every command refuses it (train, bench,
+    measure, estimate): accum:K must divide the batch; several ranks need a zero:N token.
+
+    >>> check_batch(Plan.parse("accum:3"), 4)
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: accum:3 does not divide batch 4: micro-batches would differ in size; use a batch that is a multiple of 3 (e.g. 3) or accum:K with K dividing 4
+    """
+    k = plan.get("accum", 1)
+    if batch % k:
+        raise PlanError(f"accum:{k} does not divide batch {batch}: micro-batches would differ in size; "
+                        f"use a batch that is a multiple of {k} (e.g. {k * max(1, batch // k)}) or accum:K with K "
+                        f"dividing {batch}")
+    if world_size > 1 and "zero" not in plan:
+        raise PlanError(f"plan {str(plan)!r} has no zero:N token: on several ranks each would train its own copy; "
+                        "add zero:1, zero:2 or zero:3, or run it without --world-size")
+
+
 def positive_int(arg: str | None, default: int | None = None) -> int:
     if arg is None:
         if default is None:

@@ -26,7 +26,7 @@ from .memory import MemoryTracker
 from .models import PRESETS, count_params
 from .oom import OOMHandling
 from .progress import ProgressBar
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, check_batch
 from .trainer import ModelFn, Trainer, _device, load_model, weights_sha256
 
 __all__ = ["train", "measure", "save_checkpoint", "load_checkpoint", "check_run", "check_sizes", "check_device",
@@ -107,10 +107,7 @@ def check_run(batch: int, seq: int, steps: int, plan: Plan, on_oom: str = "stop"
     ValueError: batch must be a positive whole number of sequences per step, got 0
     """
     check_sizes(batch, seq, steps)
-    k = plan.get("accum", 1)
-    if batch % k:
-        raise PlanError(f"accum:{k} does not divide batch {batch}: micro-batches would differ in size; "
-                        f"use a batch that is a multiple of {k} (e.g. {k * max(1, batch // k)}) or accum:K with K dividing {batch}")
+    check_batch(plan, batch)
     if on_oom not in ("stop", "shrink"):
         raise ValueError(f"on_oom={on_oom!r}: use 'shrink' (halve the micro-batch and retry) or 'stop'")
     if checkpoint_every < 0:
@@ -350,6 +347,7 @@ def measure(
     try:  # refused like train's: before anything is built
         check_device(device)
         check_sizes(batch, seq, steps)
+        check_batch(Plan.parse(plan), batch)  # (a PlanError is a ValueError)
         if isinstance(model_fn, str):
             check_context(model_fn, seq)
         if isinstance(model_fn, torch.nn.Module):  # it would be called as a factory: forward() with no batch

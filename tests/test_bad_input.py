@@ -291,3 +291,24 @@ def test_malformed_classification_labels():
     with pytest.raises(PlanError, match=r"labels have shape \(3,\) .* shape \(2,\) and dtype torch.long"):
         t.step({"input_ids": ids, "labels": torch.tensor([0, 1, 2])})
     assert math.isfinite(t.step({"input_ids": ids, "labels": torch.tensor([0, 2])}))  # negative control
+
+
+def test_every_command_refuses_what_train_refuses(tmp_path):
+    """accum:K that does not divide the batch, and several ranks without a zero:N token, are refused by estimate
+    and measure (bench) as by train -- estimate predicted and bench measured both until 2026-11-27. A local hf:
+    path that is not a model folder says so, instead of a hub lookup's error."""
+    import colabkit
+    from colabkit.models import HubError
+
+    with pytest.raises(colabkit.PlanError, match="accum:3 does not divide batch 4"):
+        colabkit.estimate("gpt-tiny", "accum:3", batch=4, seq=32)
+    assert "accum:3 does not divide batch 4" in colabkit.measure("gpt-tiny", "accum:3", batch=4, seq=32, steps=1,
+                                                                  device="cpu")["error"]
+    with pytest.raises(colabkit.PlanError, match="has no zero:N token"):
+        colabkit.estimate("gpt:2x64", "checkpoint", batch=8, seq=32, device="cpu", gpu=None, world_size=2)
+    assert colabkit.estimate("gpt:2x64", "accum:2", batch=4, seq=32)["peak_bytes"] > 0  # control: these run
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HubError, match="the folder does not exist"):
+        colabkit.estimate(f"hf:{tmp_path / 'missing'}", batch=1, seq=16)
+    with pytest.raises(HubError, match="the folder has no config.json"):
+        colabkit.estimate(f"hf:{tmp_path / 'empty'}", batch=1, seq=16)

@@ -1,6 +1,7 @@
 """Issue 19: the estimate held against what a T4 run does -- every resource in the verdict, per-phase depth
 extrapolation, attention as the GPU runs it, qlora's real dtypes, hub models estimated offline. Each check
 has a negative control showing the old behaviour (or a wrong input) is caught."""
+import importlib
 import json
 from dataclasses import replace
 
@@ -108,6 +109,28 @@ def test_qlora_8b_offline_with_the_dtypes_of_a_gpu_run(monkeypatch):
     assert abs(old - r["breakdown"]["params"]) > 2**27
     assert r["build_bytes"] == 0 if "build_bytes" in r else True      # hf:<id> + qlora loads straight into 4-bit
     assert "build" not in r["resources"]
+
+
+def test_qlora_on_a_gpu_profile_computes_in_the_gpus_16_bit_dtype(monkeypatch):
+    """On a T4 qlora's base computes in fp16, as lora's does there (colabkit.techniques.lora.compute_dtype): the
+    stand-in trace's activations equal lora's, and its note counts the frozen weights it held at 2 bytes each.
+    On the CPU qlora computes in fp32 (lora in bf16): more activations. Control: the stand-in given the CPU's
+    choice on the T4 profile (what the trace did until 2026-11-27, its device being a fake CPU) is caught."""
+    from colabkit.estimate import substitutes
+
+    kw = dict(batch=2, seq=256)
+    lora, qlora = (colabkit.estimate("llama:2x128", p, gpu="t4", **kw) for p in ("lora:8", "qlora:8"))
+    assert qlora["breakdown"]["activations"] == lora["breakdown"]["activations"]
+    frozen = lora["params"] - lora["trainable_params"]
+    assert f"16-bit frozen weights ({colabkit.fmt_bytes(2 * frozen)})" in next(n for n in qlora["notes"] if "qlora dtypes" in n)
+    cpu = colabkit.estimate("llama:2x128", "qlora:8", device="cpu", gpu=None, **kw)
+    assert cpu["breakdown"]["activations"] > 1.1 * qlora["breakdown"]["activations"]
+    trace_mod = importlib.import_module("colabkit.estimate.trace")
+    monkeypatch.setattr(trace_mod, "_CACHE", trace_mod.OrderedDict())
+    real = substitutes._compute_dtype_of_qlora
+    monkeypatch.setattr(substitutes, "_compute_dtype_of_qlora", lambda profile: real(None))
+    old = colabkit.estimate("llama:2x128", "qlora:8", gpu="t4", **kw)
+    assert old["breakdown"]["activations"] > 1.1 * lora["breakdown"]["activations"]
 
 
 def test_the_fp32_build_counts_only_where_it_happens():

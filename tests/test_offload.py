@@ -38,7 +38,7 @@ def test_cpu_run_is_refused_plainly(tok):
     ("offload:optimizer+fused-step", {}, "keep one"),
     ("offload:activations+compress:int8", {}, "keep one"),
     ("offload:params+checkpoint", {}, "drop 'checkpoint'"),
-    ("offload:params+lora:8", {}, "lora/qlora"),
+    ("offload:params+lora:8", {}, "offload:params. with .lora:8. is not supported: offload:params is made for full"),
 ])
 def test_conflicts_are_refused(plan, kw, match):
     ctx = Context(device=torch.device("cuda"), **kw)

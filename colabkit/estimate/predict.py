@@ -22,7 +22,7 @@ import torch
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
 from ..models import HUB_ALIASES, HUB_CONFIG_DIR, auto_class, gpt_config, hub_config
-from ..plan import REGISTRY, Context, Plan, PlanError
+from ..plan import REGISTRY, Context, Plan, PlanError, check_batch
 from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_dir, ram_window_bytes
 from ..techniques.optimizers import HF_OPTIM
 from . import overheads as _overheads
@@ -127,6 +127,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         model_fn = module_factory(model_fn)
     profile = _profile(gpu, device)
     plan = Plan.parse(plan)
+    check_batch(plan, batch, world_size)  # as train and bench refuse it
     if plan.get("zero") is not None and world_size >= 2:  # refused as the sharded run refuses it (its optimizer, ...)
         try:
             REGISTRY["zero"].check(plan, Context(device=torch.device("cpu")))

@@ -74,11 +74,14 @@ def own_8bit_scratch(trainable_shapes: list[tuple[int, ...]]) -> int:
 
 
 @contextlib.contextmanager
-def _compute_dtype_of_qlora():
-    """While tracing qlora's lora stand-in, give the frozen base qlora's compute dtype (lora's own choice
-    differs on a CPU: bf16 against qlora's fp32), so activations are traced in the dtype the run uses."""
+def _compute_dtype_of_qlora(profile: dict | None):
+    """While tracing qlora's lora stand-in, give the frozen base the dtype qlora computes in where the run is:
+    on ``profile``'s GPU bf16 or fp16 (as :func:`~colabkit.techniques.lora.compute_dtype` there), on the CPU fp32
+    -- the trace itself runs on a fake CPU device, where the real choice would always say fp32 (until
+    2026-11-27 a T4 estimate traced qlora's activations in fp32, twice a T4 run's fp16)."""
     real = _lora.compute_dtype
-    _lora.compute_dtype = lambda ctx, quantize: _REAL_COMPUTE_DTYPE(ctx, True)
+    gpu = None if profile is None else torch.bfloat16 if profile.get("native_bf16") else torch.float16
+    _lora.compute_dtype = lambda ctx, quantize: gpu or _REAL_COMPUTE_DTYPE(ctx, True)
     try:
         yield
     finally:
@@ -130,7 +133,7 @@ def trace_with_substitutes(model_fn, plan: Plan, batch: int, seq: int, steps: in
         if "qlora" in plan:  # bitsandbytes' Params4bit cannot wrap a fake tensor: trace lora, swap the base
             stand_in = Plan.parse(["lora" + t[len("qlora"):] if t.startswith("qlora") else t for t in plan.tokens])
             # the stand-in computes in qlora's dtype: fp16 on a GPU (as lora there), fp32 on a CPU (lora: bf16)
-            with _compute_dtype_of_qlora():
+            with _compute_dtype_of_qlora(profile):
                 t = trace_with_substitutes(model_fn, stand_in, batch, seq, steps, alloc_round, notes, profile, inputs,
                                            run_plan=run)
             # qlora's linear weights are NF4; the rest of the frozen base (embeddings, lm_head, norms) stays in

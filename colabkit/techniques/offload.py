@@ -107,8 +107,11 @@ def _check(plan: Plan, ctx: Context) -> None:
                             "gradients on the GPU anyway)")
     if "params" in kinds:
         if "lora" in plan or "qlora" in plan:
-            raise PlanError("'offload:params' with lora/qlora is not supported: the frozen base is already small "
-                            "in qlora; drop one")
+            tok = next(t for t in plan.tokens if t.startswith(("lora", "qlora")))
+            raise PlanError(f"'offload:params' with {tok!r} is not supported: offload:params is made for full "
+                            "training (each block's weights streamed to the GPU, its gradients and step on the host); "
+                            "with adapters the gradients are the adapters' own, and the large part is the frozen base, "
+                            "which qlora keeps in 4 bits instead: drop one (for a base too big for the GPU, qlora)")
 
 
 def local_ranks() -> int:
