@@ -229,12 +229,17 @@ class RankData:
     """This rank's rows of the effective batch: ``batch(b, ...)`` draws the global batch of
     ``b * world_size`` sequences (the same one a single process sees) and keeps rows rank*b:(rank+1)*b."""
 
-    def __init__(self, data: TextData | None = None, rank: int | None = None, world_size: int | None = None):
+    def __init__(self, data: TextData | None = None, rank: int | None = None, world_size: int | None = None,
+                 on_first: Callable[[], None] | None = None):
         self.data = data or TextData()
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.on_first = on_first  # called once, when the first step asks for its rows (the setup is over)
 
     def batch(self, batch: int, seq: int, step: int, seed: int = 0, device: str | torch.device = "cpu"):
+        if self.on_first is not None:
+            self.on_first, first = None, self.on_first
+            first()
         x, y = self.data.batch(batch * self.world_size, seq, step=step, seed=seed, device=device)
         rows = slice(self.rank * batch, (self.rank + 1) * batch)
         return x[rows], y[rows]
@@ -269,6 +274,11 @@ class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes: dict[str, int] = {}
+        self.setup: dict[str, int] = {}  # what moved before the first step (DDP's broadcast of the weights)
+
+    def end_setup(self) -> None:
+        """What was counted so far was the setup's; the steps' counts start now."""
+        self.setup, self.bytes = self.bytes, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -292,8 +302,9 @@ def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: i
     for plan in plans:
         with CommCounter() as comm:
             r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
-                        device=rank_device(device), seed=seed, data=RankData())
+                        device=rank_device(device), seed=seed, data=RankData(on_first=comm.end_setup))
         r["comm_bytes"] = {k: v // steps for k, v in comm.bytes.items()}  # per optimizer step
+        r["comm_setup_bytes"] = comm.setup  # once, before the first step
         ok = rank_tensor([int(bool(r["ok"]))])
         collective("all_reduce", ok, reduce="min")  # every rank reaches the collective; failed ranks vote 0
         if ok.item():
@@ -309,7 +320,8 @@ def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     top = dict(max(ok, key=lambda r: r["peak_bytes"]) if len(ok) == len(ranks) else
                next(r for r in ranks if not r["ok"]))
     top["ok"] = len(ok) == len(ranks)
-    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "comm_bytes", "loss", "step_time_s", "ok", "error")}
+    top["per_rank"] = [{k: r.get(k) for k in ("rank", "peak_bytes", "breakdown", "comm_bytes", "comm_setup_bytes", "loss",
+                                              "step_time_s", "ok", "error")}
                        for r in ranks]
     return top
 

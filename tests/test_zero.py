@@ -410,3 +410,17 @@ def test_zero3_offload_is_fsdp2_cpu_offload_policy():
                 assert e["peak_bytes"] == z3["peak_bytes"] - shards > 0
     assert z3["breakdown"]["params"] >= 4 * sum(p.numel() for p in model.parameters()) // 2  # control: on the GPU
     assert abs(_cpu_offload_host(model, 4) - _cpu_offload_host(model, 2)) > 0.3 * _cpu_offload_host(model, 2)
+
+
+def test_communication_per_step_is_the_zero_papers(monkeypatch):
+    """Bytes each rank moves per optimizer step (2 steps, gpt:2x64, gloo), in Ψ = the fp32 weights' bytes: DDP's
+    all-reduce 2Ψ plus zero:1's broadcast of the updated shards Ψ; zero:2 2Ψ; zero:3 3Ψ (Rajbhandari et al. 2020,
+    section 7). The weights' broadcast before the first step (DDP's setup, Ψ) is counted apart: it was folded into
+    the steps' count until 2026-11-27 (zero:1's broadcast read 1.5Ψ at 2 steps, 2Ψ at 1)."""
+    model = "gpt:2x64"
+    psi = 4 * sum(p.numel() for p in build_model(model).parameters())
+    runs = _sharded_at((model,), ("zero:1", "zero:2", "zero:3"), 8, 32)[model]
+    per_step = {p: sum(r["comm_bytes"].values()) / psi for p, r in runs.items()}
+    assert runs["zero:1"]["comm_bytes"]["broadcast_"] / psi == pytest.approx(1.0, abs=0.01)
+    assert per_step == pytest.approx({"zero:1": 3.0, "zero:2": 2.0, "zero:3": 3.0}, abs=0.05), per_step
+    assert sum(runs["zero:1"]["comm_setup_bytes"].values()) / psi == pytest.approx(1.0, abs=0.01)
