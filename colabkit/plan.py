@@ -71,6 +71,9 @@ def check_batch(plan: "Plan", batch: int, world_size: int = 1) -> None:
     colabkit.plan.PlanError: accum:3 does not divide batch 4: micro-batches would differ in size; use a batch that is a multiple of 3 (e.g. 3) or accum:K with K dividing 4
     """
     k = plan.get("accum", 1)
+    if 0 < batch < k:
+        raise PlanError(f"accum:{k} needs at least {k} sequences per step, got batch {batch}: "
+                        f"use accum:{batch} or less, or a larger batch")
     if batch % k:
         raise PlanError(f"accum:{k} does not divide batch {batch}: micro-batches would differ in size; "
                         f"use a batch that is a multiple of {k} (e.g. {k * max(1, batch // k)}) or accum:K with K "

@@ -209,11 +209,7 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
         check_context(model, seq)
     source = feed(data, batch, seq, seed, _device(device), eval_every)  # step -> batch, from (seed, step) only
     check_run(source.size, seq, steps, plan, on_oom)  # a batch dict's own size
-    ready = ("a batch of {n} as the DataLoader makes it (its batch_size)" if isinstance(data, torch.utils.data.DataLoader)
-             else "one of your batches as it is ({n} per step)" if getattr(source, "collate_fn", 0) is None else None)
-    if ready and source.size != batch:  # said, not silently: batch= groups single examples only
-        print(f"colabkit: each step takes {ready.format(n=source.size)}; train's batch={batch} applies to single "
-              "examples and colabkit's text data")
+    _say_ready_batches(data, source, batch)
     seed_all(seed)
     run = Run(steps, source.size, seq, seed, _device(device), model if isinstance(model, str) else None, source)
     run.callbacks = [OOMHandling(on_oom), MemoryAlerts(host_limit_bytes), *([ProgressBar()] if progress else []),
@@ -252,6 +248,15 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
         if run.trainer is not None:
             run.fire("on_train_end")
     return _result(run)
+
+
+def _say_ready_batches(data: Any, source: Any, batch: int) -> None:
+    """Ready batches (a DataLoader's batch_size, batch dicts) decide a step's size, not ``batch=``: said when they differ."""
+    ready = ("a batch of {n} as the DataLoader makes it (its batch_size)" if isinstance(data, torch.utils.data.DataLoader)
+             else "one of your batches as it is ({n} per step)" if getattr(source, "collate_fn", 0) is None else None)
+    if ready and source.size != batch:
+        print(f"colabkit: each step takes {ready.format(n=source.size)}; train's batch={batch} applies to single "
+              "examples and colabkit's text data")
 
 
 def _build(model: Any, plan: Plan, seq: int, device: torch.device) -> torch.nn.Module:
