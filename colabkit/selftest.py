@@ -163,6 +163,7 @@ def _estimate_check(plan: str) -> Callable[[torch.device, dict], dict]:
                      calibration=False)
         pred, got = _predicted(e, dev), int(m["peak_bytes"])
         err = (pred - got) / got
+        err = 0.0 if abs(err) < 5e-5 else err  # (a few bytes: not "-0.0%")
         return {"ok": abs(err) <= ESTIMATE_TOLERANCE, "reference": f"colabkit.estimate ({gpu or 'cpu'} profile)", "measured_bytes": got, "predicted_bytes": pred,
                 "estimate_error": round(err, 4), "host_bytes": m.get("host_bytes"), "predicted_host_bytes": e.get("host_bytes"),
                 "detail": f"measured {fmt_bytes(got)}, estimate ({gpu or 'cpu'}) {fmt_bytes(pred)}: {err:+.1%} "

@@ -68,7 +68,7 @@ CONFLICTS = {
     ("fused-step", "offload:params"): r"parameters would be stepped twice",
     ("fused-step", "offload:disk"): r"once per parameter inside backward",
     ("offload:optimizer", "offload:disk"): r"both own the optimizer state",
-    ("offload:params", "lora:4"): r"'offload:params' with lora/qlora is not supported",
+    ("offload:params", "lora:4"): r"'offload:params' with 'lora:4' is not supported: offload:params is made for full training",
     ("offload:params", "qlora:4"): r"packed weights are not streamed by offload:params",
     ("offload:disk", "lora:4"): r"adapter state is already tiny",
     ("offload:disk", "qlora:4"): r"adapter state is already tiny",
