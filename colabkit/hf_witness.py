@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from .batches import unwrap
-from .plan import Context, Plan, PlanError
-from .techniques.attention import NO_SDPA, SDPACalls
+from .plan import REGISTRY, Context, Plan, PlanError
+from .techniques.attention import NO_SDPA
 from .techniques.chunked_ce import ChunkedLogits
 
 
@@ -58,7 +58,7 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
     ran = _ran(model)
     for tok, _ in makers:
         _witness(model, tok)
-    entered = unwrap(model).__dict__.setdefault("_colabkit_entered", set())  # attention:*'s context, SDPA or not
+    entered = unwrap(model).__dict__.setdefault("_colabkit_entered", set())  # contexts entered, acting or not
     model._colabkit_inside = False
 
     def wrap(module: torch.nn.Module) -> None:
@@ -71,11 +71,12 @@ def _with_contexts(model: torch.nn.Module, makers: list, plan: Plan, ctx: Contex
             with contextlib.ExitStack() as stack:
                 for tok, make in makers:
                     stack.enter_context(make(plan, ctx))
-                    if tok.startswith("attention") and not ran.get(tok):  # until seen: a forward that called SDPA
+                    witness = REGISTRY[tok.partition(":")[0]].witness
+                    if witness is not None and not ran.get(tok):  # until it acted (attention:*: an SDPA call ran)
                         entered.add(tok)
-                        calls: list[int] = []
-                        stack.enter_context(SDPACalls(calls))
-                        stack.callback(lambda t=tok, c=calls: c and ran.__setitem__(t, ran.get(t, 0) + 1))
+                        context, why = witness(plan, ctx)
+                        stack.enter_context(context)
+                        stack.callback(lambda t=tok, why=why: why() is None and ran.__setitem__(t, ran.get(t, 0) + 1))
                     else:
                         ran[tok] = ran.get(tok, 0) + 1
                 model._colabkit_inside = True
@@ -182,7 +183,7 @@ def check_ran(model: torch.nn.Module) -> None:
             fix = ("drop it for TRL's trainers (their fused head computes the logits in chunks itself), or train "
                    "with transformers.Trainer" if t.startswith("chunked-ce") else f"drop {t!r} from the plan")
             why.append(f"plan token {t!r} did not run in the first training step ({how}): {_FUSED_HEAD}; {fix}")
-        elif t.startswith("attention") and t in getattr(model, "_colabkit_entered", ()):
+        elif t in getattr(model, "_colabkit_entered", ()):  # entered, and its witness saw it not act
             why.append(f"plan token {t!r} did not run in the first training step ({how}); drop {t!r} from the plan")
         elif t.startswith("chunked-ce"):
             why.append(f"plan token {t!r} did not run in the first training step ({how}): the model was called "
