@@ -326,7 +326,8 @@ def auto_class(config: Any) -> Any:
             else transformers.AutoModelForCausalLM)
 
 
-def _from_config(config: Any) -> nn.Module:
+def model_from_config(config: Any) -> nn.Module:
+    """The model a config is built as (:func:`auto_class`), with random weights."""
     cls = auto_class(config)
     return cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
 
@@ -334,7 +335,7 @@ def _from_config(config: Any) -> nn.Module:
 def hf_from_config(model_id: str, seq: int | None = None, config: Any = None) -> nn.Module:
     """A hub model's architecture with random weights, from :func:`hub_config` (how the estimator
     builds ``hf:<id>``: it needs shapes, never weights); ``config``: that config changed (fewer layers)."""
-    return _from_config(config if config is not None else hub_config(model_id))
+    return model_from_config(config if config is not None else hub_config(model_id))
 
 
 def dtype_kwarg(tf: Any = None) -> str:
@@ -367,7 +368,7 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
         if _has_weights(folder):
             return auto_class(hub_config(folder)).from_pretrained(folder, **{dtype_kwarg(): torch.float32})
         print(f"colabkit: no weights in {folder}; building it from its config.json with random weights")
-        return _from_config(hub_config(folder))
+        return model_from_config(hub_config(folder))
     why = hub_unreachable()
     source = model_id if why is None else _cached_snapshot(model_id)
     try:
@@ -385,7 +386,7 @@ def _hf_builder(name: str, seq: int | None = None, dropout: float = 0.0) -> nn.M
         why = f"{why}; {err}" if why else f"{type(err).__name__}: {err}"
     cfg = hub_config(model_id)  # a HubError saying what to do when there is none
     print(f"colabkit: no weights for {model_id} ({why}); building it from its config with random weights")
-    return _from_config(cfg)
+    return model_from_config(cfg)
 
 
 register_family("hf:", _hf_builder)

@@ -21,7 +21,7 @@ import torch
 
 from ..env import budget_bytes as _budget_bytes
 from ..memory import CATEGORIES, fmt_bytes
-from ..models import HUB_ALIASES, HUB_CONFIG_DIR, auto_class, gpt_config, hub_config
+from ..models import HUB_ALIASES, HUB_CONFIG_DIR, auto_class, gpt_config, hub_config, model_from_config
 from ..plan import REGISTRY, Context, Plan, PlanError, check_batch
 from ..techniques.disk_offload import RESIDENT_SHARE, disk_state_bytes, offload_dir, ram_window_bytes
 from ..techniques.optimizers import HF_OPTIM
@@ -42,7 +42,7 @@ def from_config(config: Any) -> Callable[[], torch.nn.Module]:
     cls = auto_class(config)
 
     def build() -> torch.nn.Module:
-        return cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
+        return model_from_config(config)
 
     build.__name__ = cls.__name__ if not cls.__name__.startswith("AutoModel") else f"{config.model_type} ({cls.__name__})"
     return build
