@@ -34,6 +34,7 @@ from .techniques.precision import autocast
 from .demos import fp16_overflow_demo
 from .estimate import calibrate, estimate, largest, plans  # noqa: E402  (colabkit.estimate is the function; the module: colabkit.estimate via sys.modules)
 from .oom import OutOfMemoryWithAdvice, oom_guard
+from .notices import CheckpointSkipped, ColabkitWarning, MemoryAlert  # noqa: E402
 from .checkpoints import CheckpointError, Checkpointing, list_checkpoints
 from .callbacks import Callback, Run  # noqa: E402  (the train loop's events: one object per concern, a user's own too)
 from .drive import drive_dir

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .env import default_device, emulate_t4, env, format_env
 from .memory import CATEGORIES, fmt_bytes
+from .notices import ColabkitWarning
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Any], Callable[[Any], str], str]] = {}
 
@@ -249,6 +250,7 @@ def _quiet_libraries():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         warnings.filterwarnings("default", module=r"colabkit(\.|$)")
+        warnings.filterwarnings("default", category=ColabkitWarning)  # attributed to a caller's line
         for lg in loggers:
             lg.setLevel(logging.ERROR)
         try:

@@ -2,7 +2,7 @@
 
 :class:`MemoryAlerts` receives the train loop's ``on_step_end``: once the tracked peak passes the tracker's
 alert fraction of the budget (``train(budget_bytes=...)``), or host RAM passes 90% of ``host_limit``
-(Colab's 12.7 GB), it warns (``ResourceWarning``) naming the planner's cheapest plan that fits, through the
+(Colab's 12.7 GB), it warns (:class:`~colabkit.notices.MemoryAlert`, shown by default) naming the planner's cheapest plan that fits, through the
 hook :mod:`colabkit.oom` holds (the planner sits above the train loop).
 
 >>> MemoryAlerts().host_limit
@@ -10,12 +10,12 @@ hook :mod:`colabkit.oom` holds (the planner sits above the train loop).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from .callbacks import Callback, Run
 from .memory import fmt_bytes
 from .oom import suggest_plan
+from .notices import MemoryAlert, warn
 
 HOST_LIMIT_BYTES = int(12.7e9)  # Colab's host RAM
 
@@ -45,4 +45,4 @@ class MemoryAlerts(Callback):
                        f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
             except Exception as e:  # noqa: BLE001  (an alert must never stop training)
                 tip = f"no plan suggestion ({type(e).__name__}: {e})"
-            warnings.warn(f"colabkit: {what}; {tip}", ResourceWarning, stacklevel=2)
+            warn(f"colabkit: {what}; {tip}", MemoryAlert)

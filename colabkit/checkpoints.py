@@ -35,7 +35,6 @@ import random
 import re
 import struct
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +44,7 @@ from .callbacks import Callback, Run
 from .determinism import restore_threads
 from .plan import PlanError
 from .trainer import weights_sha256
+from .notices import CheckpointSkipped, warn
 
 __all__ = ["CheckpointError", "write_checkpoint", "read_checkpoint", "read_latest", "list_checkpoints",
            "save_trainer", "load_trainer", "trainer_state", "rng_state", "set_rng_state", "check_compatible",
@@ -291,8 +291,8 @@ def read_latest(directory: str) -> tuple[dict[str, Any] | None, str | None, list
         except (CheckpointError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
             skipped.append((os.path.basename(path), why))
-            warnings.warn(f"colabkit: skipped checkpoint {os.path.basename(path)}: {why}; trying the previous one",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"colabkit: skipped checkpoint {os.path.basename(path)}: {why}; trying the previous one",
+                 CheckpointSkipped)
             continue
         return state, path, skipped
     return None, None, skipped

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import warnings
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from .notices import warn
 
 __all__ = ["seed_all", "deterministic", "CUBLAS_WORKSPACE", "restore_threads"]
 
@@ -66,10 +67,9 @@ def deterministic(enabled: bool = True) -> Iterator[None]:
     env_before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if env_before not in (":4096:8", ":16:8"):
         if torch.cuda.is_initialized():
-            warnings.warn("colabkit: deterministic mode: CUDA started before CUBLAS_WORKSPACE_CONFIG was set, so "
+            warn("colabkit: deterministic mode: CUDA started before CUBLAS_WORKSPACE_CONFIG was set, so "
                           "cuBLAS may keep a non-deterministic workspace; set it before the first CUDA call "
-                          f"(os.environ['CUBLAS_WORKSPACE_CONFIG'] = '{CUBLAS_WORKSPACE}') or use --deterministic",
-                          RuntimeWarning, stacklevel=3)
+                          f"(os.environ['CUBLAS_WORKSPACE_CONFIG'] = '{CUBLAS_WORKSPACE}') or use --deterministic")
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -67,6 +66,7 @@ from .hf_witness import (_spelled, _with_contexts, _witness_adapters, _witness_c
                          check_adapters, check_ran)
 from .logs import memory_metrics
 from .memory import MemoryTracker, format_report
+from .notices import warn
 from .plan import Context, Plan, PlanError
 from .plots import LivePlot
 from .techniques.checkpoint import for_trainer
@@ -324,6 +324,7 @@ def check_one_device(model: torch.nn.Module) -> None:
     (:func:`single_device_map`); a model too big for one T4 is a case for ``zero:3``, where each rank measures
     its own GPU.
 
+    >>> import warnings
     >>> m = torch.nn.Linear(1, 1); m.hf_device_map = {"model.layers.0": 0, "model.layers.1": "cuda:1"}
     >>> with warnings.catch_warnings(record=True) as w:
     ...     warnings.simplefilter("always"); check_one_device(m)
@@ -334,9 +335,9 @@ def check_one_device(model: torch.nn.Module) -> None:
     gpus = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()} - {"cpu", "disk", "meta"}
     gpus = {"cuda:0" if g == "cuda" else g for g in gpus}
     if len(gpus) > 1:
-        warnings.warn(f"colabkit: the model is split over {len(gpus)} GPUs ({', '.join(sorted(gpus))}, device_map) but "
+        warn(f"colabkit: the model is split over {len(gpus)} GPUs ({', '.join(sorted(gpus))}, device_map) but "
                       "MemoryCallback measures one: load it on one device (device_map={'': 0}, as "
-                      "colabkit.hf.load_hf_4bit does), or shard it with zero:3", RuntimeWarning, stacklevel=3)
+                      "colabkit.hf.load_hf_4bit does), or shard it with zero:3")
 
 
 class MemoryCallback:
@@ -378,6 +379,8 @@ class MemoryCallback:
     # ----- the Trainer's events --------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._go_first()
+        if model is not None:  # adapters added on top of the plan's at construction (TRL's peft_config)
+            check_adapters(model)
         if getattr(args, _checkpoint_field(), False) and model is not None and not any(
                 hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
             raise PlanError(f"the arguments turn checkpointing on, which transformers' Trainer asks of the model "
@@ -493,8 +496,8 @@ class MemoryCallback:
                 callbacks.remove(self)
                 callbacks.insert(0, self)
                 return
-        warnings.warn("MemoryCallback could not find the Trainer's callback list: memory/* scalars reach "
-                      "state.log_history and the callbacks after it only", stacklevel=3)
+        warn("colabkit: MemoryCallback could not find the Trainer's callback list: memory/* scalars reach "
+             "state.log_history and the callbacks after it only")
 
 
 @functools.lru_cache(maxsize=None)

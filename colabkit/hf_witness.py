@@ -23,6 +23,7 @@ import torch
 
 from .batches import unwrap
 from .plan import REGISTRY, Context, Plan, PlanError
+from .techniques import lora as _lora
 from .techniques.attention import NO_SDPA
 from .techniques.chunked_ce import ChunkedLogits
 
@@ -207,6 +208,16 @@ def check_adapters(model: torch.nn.Module) -> None:
     plan = getattr(top, "_colabkit_plan", None)
     if plan is None or not ({"lora", "qlora"} & {t.partition(":")[0] for t in plan.split("+")}):
         return
+    made = (getattr(model, "_colabkit_lora", None) or {}).get("adapters")
+    now = _lora.adapter_shapes(model)
+    if made is not None and now != made:  # TRL's peft_config (get_peft_model on top), or the user's own
+        def say(shapes: list) -> str:
+            return ", ".join(sorted({f"{a} rank {r} scale {s:g}" for layer in shapes for a, r, s in layer}))
+        raise PlanError(f"the plan's {plan!r} put LoRA adapters on {len(made)} layers ({say(made)}); the model now has "
+                        f"{len(now)} LoRA layers ({say(now)}): adapters were added on top of colabkit's -- TRL's "
+                        "SFTTrainer(peft_config=...) or peft's get_peft_model -- and would train a mix of both. Use one: "
+                        "drop peft_config (the plan's lora:R is the adapter colabkit measures and estimates), or drop "
+                        "lora:R/qlora:R from the plan and let peft add yours")
     cast = sorted({str(p.dtype) for n, p in top.named_parameters() if p.requires_grad and "lora_" in n} - {"torch.float32"})
     if cast:
         raise PlanError(f"the LoRA adapters of {plan!r} train in {', '.join(cast)}, not fp32 (TRL's SFTTrainer casts the "

@@ -17,11 +17,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
-import warnings
 from typing import Any, Callable, Sequence
 
 from .callbacks import Callback, Run
 from .memory import CATEGORIES
+from .notices import warn
 
 BACKENDS = ("tensorboard", "wandb", "csv")
 
@@ -65,8 +65,8 @@ class Logger(Callback):
         metrics = step_metrics(event)
         if "memory/step_peak_bytes" not in metrics and not self._warned:
             self._warned = True
-            warnings.warn(f"{type(self).__name__}: no memory figures to log (the run has no tracker), only loss and "
-                          "step time: leave train(track=True) on to log memory", stacklevel=2)
+            warn(f"colabkit: {type(self).__name__}: no memory figures to log (the run has no tracker), only loss "
+                 "and step time: leave train(track=True) on to log memory")
         self.write(event["step"], metrics)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -113,8 +113,8 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard import SummaryWriter
 
         if any(f.startswith("events.out.tfevents.") for f in os.listdir(directory)):
-            warnings.warn(f"{directory!r} already holds a TensorBoard event file: TensorBoard shows both as one run "
-                          "and mixes their steps; use a fresh log_dir per run (fine when resuming that run)", stacklevel=3)
+            warn(f"colabkit: {directory!r} already holds a TensorBoard event file: TensorBoard shows both as one "
+                 "run and mixes their steps; use a fresh log_dir per run (fine when resuming that run)")
         self.path = directory
         self._w = SummaryWriter(log_dir=directory)
 

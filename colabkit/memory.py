@@ -35,7 +35,6 @@ import json
 import pickle
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -97,6 +96,7 @@ def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
 from .memory_hooks import (_ATEN_RESIZE, _RESIZING, _STORAGE_RESIZE, CudaStats, _tensors_of,  # noqa: F401
                            _watch_resizes)  # (the tracker's hooks; names kept importable from here)
 from .memory_ledger import CATEGORIES, Ledger, _dead_callback, _Info  # noqa: F401
+from .notices import MemoryAlert, warn
 
 
 class _Mode(TorchDispatchMode):
@@ -492,7 +492,7 @@ class MemoryTracker(Ledger):
             f"largest category: {top} ({fmt_bytes(cats[top])}). Try: {ADVICE[top]}."
         )
         self.alerts.append(msg)
-        warnings.warn(msg, ResourceWarning, stacklevel=3)
+        warn(msg, MemoryAlert)
 
     # ----- results -----------------------------------------------------------------------------
     def table(self) -> str:

@@ -121,6 +121,17 @@ def test_largest_nothing_fits_says_what_would(monkeypatch, capsys, tmp_path):
     assert "'tight' fits only inside the overheads' uncertainty" in note
 
 
+def test_largest_given_a_model_says_which_command_asks_about_it(capsys, monkeypatch):
+    """largest searches model shapes: a --model is answered with the commands that ask about that model, in one
+    line, before any search runs (argparse said only "unrecognized arguments", under the top-level usage)."""
+    cli = sys.modules["colabkit.estimate.cli"]
+    monkeypatch.setattr(cli, "largest", lambda *a, **k: pytest.fail("searched"))
+    assert main(["largest", "--model", "gpt2-124m", "--plan", "checkpoint"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: largest takes no --model") and err.count("\n") == 1, err
+    assert "colabkit plan --model gpt2-124m" in err and "estimate --model gpt2-124m --plan checkpoint" in err
+
+
 def test_plan_table_has_a_header_and_says_what_its_percentage_means(monkeypatch, capsys):
     cli = sys.modules["colabkit.estimate.cli"]
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from colabkit.notices import ColabkitWarning
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -56,5 +58,5 @@ def test_memory_callback_warns_when_device_map_split_the_model(recwarn):
     check_one_device(m)                                   # one GPU (+ CPU offload): measured as it is
     assert not [w for w in recwarn if "split over" in str(w.message)]
     m.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}   # device_map="auto" on Kaggle's 2xT4
-    with pytest.warns(RuntimeWarning, match=r"split over 2 GPUs \(cuda:0, cuda:1"):
+    with pytest.warns(ColabkitWarning, match=r"split over 2 GPUs \(cuda:0, cuda:1"):
         check_one_device(m)

@@ -13,7 +13,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 from colabkit import PlanError, Trainer, build_model  # noqa: E402
-from colabkit import hf  # noqa: E402
+from colabkit import hf, hf_witness  # noqa: E402
 from colabkit.techniques import chunked_ce  # noqa: E402
 from tests.test_hf_paths import (KINDS, V, _fresh_bitsandbytes_overrides, baselines, data, needs_trl,  # noqa: E402,F401
                                  run)
@@ -63,6 +63,25 @@ def test_trl_fused_head_is_named_under_accelerates_wrappers(data, tmp_path):
     with pytest.raises(PlanError, match="did not run in the first training step") as e:
         run("trl", "bf16+chunked-ce", data, tmp_path)
     assert "TRL's fused LM head" in str(e.value) and "without labels" not in str(e.value)
+
+
+@needs_trl
+def test_trl_peft_config_on_top_of_the_plans_lora_is_stopped(data, tmp_path, monkeypatch):
+    """SFTTrainer(peft_config=...) on a model prepared with lora:8 wraps it in get_peft_model, whose adapter has the
+    same name ("default"): q_proj's rank-8 adapters become rank 4 while k/v/o keep colabkit's -- a mix neither asked
+    for. MemoryCallback stops the Trainer's construction saying so. Controls: a peft_config on a model without a
+    lora plan trains (the user's own PEFT, measured); with the check off the mix is really there."""
+    import peft
+
+    cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])  # noqa: E731
+    with pytest.raises(PlanError, match=r"adapters were added on top of colabkit's .*drop peft_config"):
+        run("trl", "lora:8", data, tmp_path / "both", peft_config=cfg())
+    own = run("trl", "baseline", data, tmp_path / "own", peft_config=cfg())
+    assert {n.split(".")[-2] for n, p in own.trainer.model.named_parameters() if p.requires_grad} == {"default"}
+    monkeypatch.setattr(hf_witness._lora, "adapter_shapes", lambda m: None)  # the record and the check both blind
+    mixed = run("trl", "lora:8", data, tmp_path / "mixed", peft_config=cfg())
+    ranks = {m.r["default"] for m in mixed.trainer.model.modules() if isinstance(getattr(m, "r", None), dict)}
+    assert ranks == {4, 8}
 
 
 class Block(nn.Module):

@@ -69,10 +69,10 @@ class Run:
 
 
 def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False, own_optimizer: str | None = None,
-        make=lambda: build_model("llama:2x128")) -> Run:
+        make=lambda: build_model("llama:2x128"), **trainer_kw) -> Run:
     """Train ``STEPS`` steps of ``plan`` under transformers.Trainer ('hf') or SFTTrainer ('trl'); a refusal or a
     stop raises PlanError. ``own_optimizer``: the Trainer gets ``colabkit.make_optimizer(model, own_optimizer)``;
-    ``make`` builds the model."""
+    ``make`` builds the model; ``trainer_kw`` go to the trainer (e.g. TRL's ``peft_config``)."""
     torch.manual_seed(0)
     model = hf.prepare_model(make(), plan, device="cpu", offload_sim=offload_sim)
     if own_optimizer is not None:
@@ -91,11 +91,12 @@ def run(kind: str, plan: str, data, tmp_path, offload_sim: bool = False, own_opt
         with_kwargs=True)
     if kind == "hf":
         trainer = transformers.Trainer(model=model, args=hf.training_arguments(plan, **kw), train_dataset=data["hf"],
-                                       callbacks=[cb], **kw_opt)
+                                       callbacks=[cb], **kw_opt, **trainer_kw)
     else:
         ds, tokenizer = data["trl"]
         trainer = trl.SFTTrainer(model=model, args=hf.training_arguments(plan, cls=trl.SFTConfig, max_length=S, **kw),
-                                 train_dataset=ds, processing_class=tokenizer, callbacks=[cb], **kw_opt)
+                                 train_dataset=ds, processing_class=tokenizer, callbacks=[cb], **kw_opt,
+                                 **trainer_kw)
     try:
         trainer.train()
     finally:

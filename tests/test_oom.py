@@ -9,6 +9,7 @@ import torch
 
 from colabkit.memory import MemoryTracker
 from colabkit.models import build_model, count_params
+from colabkit.notices import MemoryAlert
 from colabkit.oom import OutOfMemoryWithAdvice, oom_guard
 from colabkit.train import train
 
@@ -165,7 +166,7 @@ def test_memory_alerts_once_with_planner_suggestion(monkeypatch):
     # the real planner, asked about two candidates only to keep the test fast
     monkeypatch.setattr(colabkit.oom, "_SUGGESTER", partial(suggest, candidates=["baseline", "checkpoint"]))
     peak = train("gpt:2x64", steps=3, batch=8, seq=64, device="cpu", progress=False)["report"]["peak_bytes"]
-    with pytest.warns(ResourceWarning) as rec:
+    with pytest.warns(MemoryAlert) as rec:
         alerted = train("gpt:2x64", steps=3, batch=8, seq=64, device="cpu", progress=False,
                         budget_bytes=int(peak * 0.8), host_limit_bytes=1)
     # the planner's estimate behind the alert is not the run's memory: the measured peak is the run's own (its

@@ -1,6 +1,7 @@
 """The ``estimate``, ``plan`` and ``largest`` subcommands (registered by ``colabkit.__main__``)."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -171,9 +172,17 @@ def register_cli(subcommand) -> None:
         return [{k: r.get(k) for k in ("plan", "fits", "verdict", "peak_bytes", "host_bytes", "overhead", "step_time_s",
                                        "tokens_per_s", "breakdown", "overheads", "resources", "error")} for r in rows]
 
+    def largest_args(p):
+        _args(p, model=False)
+        p.add_argument("--model", help=argparse.SUPPRESS)  # taken only to say what to run instead
+
     @subcommand("largest", "the largest GPT-shaped model that fits a plan (exit 1 when nothing does)",
-                lambda p: _args(p, model=False), _largest_table)
+                largest_args, _largest_table)
     def _largest(args):
+        if args.model is not None:
+            raise ValueError(f"largest takes no --model: it searches GPT shapes for the largest that fits the plan. "
+                             f"To ask about {args.model}: colabkit plan --model {args.model} (every plan, fits or "
+                             f"not) or colabkit estimate --model {args.model} --plan {args.plan}")
         check_sizes(args.batch, args.seq, 1)
         gpu = None if args.device == "cpu" else args.gpu
         r = largest(args.plan, seq=args.seq, batch=args.batch, gpu=args.gpu, device=args.device)

@@ -18,13 +18,13 @@ step, so the state matches the paper's formula (the test measures both).
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from typing import Any
 
 import torch
 
 from ..plan import Context, Plan, PlanError, Technique, register
 from .optimizers import STATE_FORMULAS
+from ..notices import warn
 
 INSTALL = 'pip install galore-torch   (or: pip install "colabkit[optim]")'
 UPDATE_GAP = 200   # the paper's default projector update interval
@@ -90,9 +90,9 @@ def make_galore(groups: list[dict], model: torch.nn.Module, rank: int, gap: int 
 
     proj = projected(model, rank)
     if not proj:
-        warnings.warn(f"galore:{rank} projects no weight of this model (every linear layer's smaller side is "
+        warn(f"colabkit: galore:{rank} projects no weight of this model (every linear layer's smaller side is "
                       f"<= {rank}), so it runs as plain AdamW with 8 B/param of state: use a rank below the "
-                      "model's width", stacklevel=2)
+                      "model's width")
     out = []
     for g in groups:
         plain = [p for p in g["params"] if id(p) not in proj]

@@ -212,7 +212,8 @@ def apply_lora(model: nn.Module, rank: int, targets: Iterable[str] | None = None
             head.register_forward_pre_hook(_cast_to_head)
             head._colabkit_cast = True
     enable_input_grads(model)
-    model._colabkit_lora = {"rank": rank, "targets": names, "quantized": quantize, "heads": heads}
+    model._colabkit_lora = {"rank": rank, "targets": names, "quantized": quantize, "heads": heads,
+                            "adapters": adapter_shapes(model)}
     return model
 
 
@@ -236,7 +237,7 @@ def save_adapters(model: nn.Module, path: str) -> str:
 
     if not getattr(model, "_colabkit_lora", None):
         raise ValueError("this model has no colabkit adapters to save: apply_lora first (a merged model has none)")
-    info = dict(model._colabkit_lora)
+    info = {k: v for k, v in model._colabkit_lora.items() if k != "adapters"}  # the per-layer record stays
     save_file(adapter_state_dict(model), path, metadata={"format": "colabkit-lora", "lora": json.dumps(info)})
     return path
 
@@ -396,6 +397,18 @@ def lora_breakdown(model: nn.Module) -> dict[str, int]:
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     qbytes = sum(t.untyped_storage().nbytes() for t in param_tensors(model) if t.dtype == torch.uint8)
     return {"trainable": trainable, "frozen": frozen, "quantized_bytes": qbytes}
+
+
+def adapter_shapes(model: nn.Module) -> list[tuple[tuple[str, int, float], ...]]:
+    """Each LoRA layer's adapters as ``(name, rank, scale)``, in module order: what :func:`apply_lora` leaves,
+    recorded so that adapters added on top later (TRL's ``peft_config``, peft's ``get_peft_model``) are seen.
+
+    >>> from colabkit.models import build_model
+    >>> adapter_shapes(apply_lora(build_model("gpt-tiny"), rank=4))[0]  # alpha = 2R by default: scale 2
+    (('default', 4, 2.0),)
+    """
+    return [tuple(sorted((a, int(r), float(m.scaling[a])) for a, r in m.r.items()))
+            for m in model.modules() if isinstance(getattr(m, "r", None), dict) and hasattr(m, "lora_A")]
 
 
 # ----- plan tokens ------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ trained on top, and the plan tokens, are in :mod:`colabkit.techniques.lora`.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Iterable
 
 import torch
@@ -18,6 +17,7 @@ from .. import hf_models as _hf  # noqa: F401  (registers the llama:LxD family b
 from ..env import trim_host_heap
 from ..models import build_meta, materialize
 from ..plan import PlanError
+from ..notices import warn
 
 SKIP = ("lm_head", "embed_out", "output")  # never quantized nor adapted: the (often tied) output head
 # Task heads (transformers' *ForSequenceClassification / *ForTokenClassification / *ForQuestionAnswering):
@@ -171,11 +171,11 @@ def warn_unquantized(model: nn.Module, limit: float = UNQUANTIZED_WARN) -> float
         names = sorted(left, key=lambda k: -left[k])
         listed = ", ".join(f"{k} ({type(model.get_submodule(k)).__name__})" for k in names[:5])
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        warnings.warn(f"qlora left {frac:.0%} of the base's linear weights unquantized ({sum(left.values()):,} of "
+        warn(f"colabkit: qlora left {frac:.0%} of the base's linear weights unquantized ({sum(left.values()):,} of "
                       f"{total:,}): {listed}{more}. qlora stores plain nn.Linear and transformers Conv1D layers in "
                       f"NF4; these keep their dtype, so the parameter memory falls less than NF4 promises. Replace "
                       f"them with nn.Linear, or load the model with a BitsAndBytesConfig that converts them",
-                      UserWarning, stacklevel=3)
+                      )
     return frac
 
 
