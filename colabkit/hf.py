@@ -380,7 +380,7 @@ class MemoryCallback:
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._go_first()
         if model is not None:  # adapters added on top of the plan's at construction (TRL's peft_config)
-            check_adapters(model)
+            check_adapters(model, dtypes=False)
         if getattr(args, _checkpoint_field(), False) and model is not None and not any(
                 hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
             raise PlanError(f"the arguments turn checkpointing on, which transformers' Trainer asks of the model "

@@ -197,10 +197,12 @@ def check_ran(model: torch.nn.Module) -> None:
     raise PlanError("; ".join(why))
 
 
-def check_adapters(model: torch.nn.Module) -> None:
+def check_adapters(model: torch.nn.Module, dtypes: bool = True) -> None:
     """PlanError when the LoRA adapters of a lora/qlora plan no longer train in fp32 (colabkit's LoRA keeps them
     in fp32 whatever the base's dtype, and its estimates count them so): TRL's SFTTrainer casts the trainable
-    parameters of a 4-bit model (``is_loaded_in_4bit``) to bf16 at construction, following the QLoRA paper.
+    parameters of a 4-bit model (``is_loaded_in_4bit``) to bf16 at construction, following the QLoRA paper
+    (``dtypes``: checked at the start of training, after the user's chance to cast them back). Also when
+    adapters were added on top of the plan's (TRL's ``peft_config``: checked at the Trainer's construction).
 
     >>> check_adapters(torch.nn.Linear(2, 2))  # no colabkit plan: nothing to check
     """
@@ -218,6 +220,8 @@ def check_adapters(model: torch.nn.Module) -> None:
                         "SFTTrainer(peft_config=...) or peft's get_peft_model -- and would train a mix of both. Use one: "
                         "drop peft_config (the plan's lora:R is the adapter colabkit measures and estimates), or drop "
                         "lora:R/qlora:R from the plan and let peft add yours")
+    if not dtypes:  # at the Trainer's construction: TRL's cast has a fix the user applies after it
+        return
     cast = sorted({str(p.dtype) for n, p in top.named_parameters() if p.requires_grad and "lora_" in n} - {"torch.float32"})
     if cast:
         raise PlanError(f"the LoRA adapters of {plan!r} train in {', '.join(cast)}, not fp32 (TRL's SFTTrainer casts the "
