@@ -247,7 +247,14 @@ def _quiet_libraries():
         return
     loggers = [logging.getLogger(n) for n in LIBRARY_LOGGERS]
     levels = [lg.level for lg in loggers]
+    plain = warnings.formatwarning
+
+    def said(message, category, filename, lineno, line=None):  # a command has no line of the user's to show
+        if issubclass(category, ColabkitWarning):
+            return f"{category.__name__}: {message}\n"
+        return plain(message, category, filename, lineno, line)
     with warnings.catch_warnings():
+        warnings.formatwarning = said
         warnings.simplefilter("ignore")
         warnings.filterwarnings("default", module=r"colabkit(\.|$)")
         warnings.filterwarnings("default", category=ColabkitWarning)  # attributed to a caller's line
@@ -256,6 +263,7 @@ def _quiet_libraries():
         try:
             yield
         finally:
+            warnings.formatwarning = plain
             for lg, level in zip(loggers, levels):
                 lg.setLevel(level)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .callbacks import Callback, Run
 from .memory import fmt_bytes
-from .oom import suggest_plan
+from .oom import OWN_MODEL, suggest_plan
 from .notices import MemoryAlert, warn
 
 HOST_LIMIT_BYTES = int(12.7e9)  # Colab's host RAM
@@ -36,13 +36,23 @@ class MemoryAlerts(Callback):
             if not hit or kind in self.sent:
                 continue
             self.sent.add(kind)
-            what = (f"peak memory is past {tracker.alert_at or 0.9:.0%} of the budget ({fmt_bytes(tracker.budget_bytes)})"
-                    if kind == "device" else f"host RAM use is past 90% of {fmt_bytes(self.host_limit)} (Colab's limit)")
-            try:
-                with tracker.paused():  # the planner's own work is not the run's memory
-                    s = suggest_plan(run.model_name, run.batch, run.seq, gpu=run.gpu, budget_bytes=tracker.budget_bytes)
-                tip = (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
-                       f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
-            except Exception as e:  # noqa: BLE001  (an alert must never stop training)
-                tip = f"no plan suggestion ({type(e).__name__}: {e})"
+            peak = max((s.get("phase_peak") or 0 for s in tracker.timeline), default=0)  # so far, this run
+            what = (f"peak memory {fmt_bytes(peak)} is {peak / tracker.budget_bytes:.0%} of the budget "
+                    f"({fmt_bytes(tracker.budget_bytes)})" if kind == "device"
+                    else f"host RAM use is past 90% of {fmt_bytes(self.host_limit)} (Colab's limit)")
+            if run.model_name is None:  # the user's own module: the planner cannot build it from here
+                tip = OWN_MODEL
+            else:
+                tip = self._suggestion(run, tracker)
             warn(f"colabkit: {what}; {tip}", MemoryAlert)
+
+    @staticmethod
+    def _suggestion(run: Run, tracker: Any) -> str:
+        """The planner's cheapest plan that fits the budget, in words (or why there is none)."""
+        try:
+            with tracker.paused():  # the planner's own work is not the run's memory
+                s = suggest_plan(run.model_name, run.batch, run.seq, gpu=run.gpu, budget_bytes=tracker.budget_bytes)
+        except Exception as e:  # noqa: BLE001  (an alert must never stop training)
+            return f"no plan suggestion ({type(e).__name__}: {e})"
+        return (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
+                f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"

@@ -45,14 +45,39 @@ from torch.utils._pytree import tree_flatten
 from .env import GiB, MiB, budget_bytes as _default_budget, host_ram
 from .device import _HOST, _HOST_SCOPE, _PLAIN, _storages, fmt_bytes, host_side, is_host, mark_host  # noqa: F401  (host tagging: the seam's)
 
-# What to try when a category fills memory (used by alerts and the OOM post-mortem).
+# What to try when a category fills memory (used by alerts and the OOM post-mortem): (plan token the device must
+# take, or "cuda" for a GPU-only remedy, or None; the words said), kept where the run's device would accept them
 ADVICE = {
-    "params": "fp16 weights via lora/qlora, or offload:params",
-    "grads": "fused-step (optimizer step inside backward) or lora",
-    "optimizer": "adamw8bit / adamw4bit / adafactor / lion, or offload:optimizer",
-    "activations": "checkpoint, accum:K, compress:int8, a smaller batch or sequence",
-    "other": "attention:efficient, fp16, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "params": (("lora:8", "fp16 weights via lora/qlora"), ("offload:params", "offload:params"), (None, "a smaller model")),
+    "grads": (("fused-step", "fused-step (optimizer step inside backward)"), ("lora:8", "lora")),
+    "optimizer": (("adamw8bit", "adamw8bit / adamw4bit / adafactor / lion"), ("offload:optimizer", "offload:optimizer")),
+    "activations": (("checkpoint", "checkpoint, accum:K, compress:int8"), (None, "a smaller batch or sequence")),
+    "other": (("attention:efficient", "attention:efficient"), ("fp16", "fp16"),
+              ("cuda", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"), (None, "a smaller batch or sequence")),
 }
+
+
+def advice(category: str, device: str | torch.device = "cuda") -> str:
+    """What to try when ``category`` fills memory on ``device``: :data:`ADVICE`'s remedies that the device takes
+    (a CPU run refuses offload and attention:efficient; its allocator has no CUDA setting).
+
+    >>> advice("params", "cpu")
+    'fp16 weights via lora/qlora, or a smaller model'
+    """
+    dev = torch.device(device)
+
+    def taken(token: str | None) -> bool:
+        if token is None or dev.type == "cuda":  # every remedy listed is one for a GPU
+            return True
+        if token == "cuda":
+            return False
+        try:
+            Plan.parse(token).check(Context(device=dev))
+        except (PlanError, ImportError):
+            return False
+        return True
+    said = [words for token, words in ADVICE[category] if taken(token)]
+    return ", ".join(said[:-1]) + (", or " if len(said) > 1 else "") + said[-1]
 
 
 def tensors_in(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
@@ -97,6 +122,7 @@ from .memory_hooks import (_ATEN_RESIZE, _RESIZING, _STORAGE_RESIZE, CudaStats, 
                            _watch_resizes)  # (the tracker's hooks; names kept importable from here)
 from .memory_ledger import CATEGORIES, Ledger, _dead_callback, _Info  # noqa: F401
 from .notices import MemoryAlert, warn
+from .plan import Context, Plan, PlanError
 
 
 class _Mode(TorchDispatchMode):
@@ -377,7 +403,7 @@ class MemoryTracker(Ledger):
         ref = weakref.ref(st, self._dead)
         self._refs[id(ref)] = (ref, key, id(st))
         if over and not self.alerts:
-            self._alert()
+            self._alert(self._total)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         """``st`` was resized in place: a tracked storage now holds its new size (0: freed; the category
@@ -405,7 +431,7 @@ class MemoryTracker(Ledger):
                 self._phase_max = self._total
             over = self.alert_at is not None and self._total > self.alert_at * self.budget_bytes
         if over and not self.alerts:
-            self._alert()
+            self._alert(self._total)
 
     def _mark(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         host_any = bool(_HOST)
@@ -478,18 +504,19 @@ class MemoryTracker(Ledger):
             self._await_category_peaks(s, self.timeline[-1]["categories"] if self.timeline else None)
         self._phase_max = now
         self.timeline.append(s)
-        if self.alert_at is not None and not self.alerts and max(pmax, s.get("allocated_cuda") or 0) > self.alert_at * self.budget_bytes:
-            self._alert()
+        if self.alert_at is not None and not self.alerts and (reached := max(pmax, s.get("allocated_cuda") or 0)) > self.alert_at * self.budget_bytes:
+            self._alert(reached)
         if self.on_sample is not None:
             self.on_sample(s)
         return s
 
-    def _alert(self) -> None:
+    def _alert(self, reached: int) -> None:
         cats = self.current()
         top = max(cats, key=cats.get)
         msg = (
-            f"colabkit: memory passed {self.alert_at:.0%} of the budget ({fmt_bytes(self.budget_bytes)}); "
-            f"largest category: {top} ({fmt_bytes(cats[top])}). Try: {ADVICE[top]}."
+            f"colabkit: memory reached {fmt_bytes(reached)}, {reached / self.budget_bytes:.0%} of the budget "
+            f"({fmt_bytes(self.budget_bytes)}; alert at {self.alert_at:.0%}); largest category: {top} "
+            f"({fmt_bytes(cats[top])}). Try: {advice(top, self.device)}."
         )
         self.alerts.append(msg)
         warn(msg, MemoryAlert)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .callbacks import Callback, Run
-from .memory import ADVICE, CATEGORIES, MemoryTracker, fmt_bytes
+from .memory import CATEGORIES, MemoryTracker, advice, fmt_bytes
 
 
 class OutOfMemoryWithAdvice(torch.OutOfMemoryError):
@@ -44,7 +44,7 @@ class PostMortem:
             return "no out-of-memory"
         lines = [f"colabkit: out of memory ({r['error']})", f"{'category':<12} {'live at OOM':>12}"]
         lines += [f"{c:<12} {fmt_bytes(r['at_oom'][c]):>12}" for c in CATEGORIES]
-        lines.append(f"largest: {r['largest']}. Try: {ADVICE[r['largest']]}")
+        lines.append(f"largest: {r['largest']}. Try: {advice(r['largest'], r.get('device', 'cuda'))}")
         lines.append(f"freed {fmt_bytes(r['freed_bytes'])}; snapshot: {r['snapshot']}")
         if r.get("suggestion"):
             s = r["suggestion"]
@@ -95,6 +95,11 @@ def free_after_oom(trainer: Any = None, err: BaseException | None = None) -> Non
         torch.cuda.empty_cache()
 
 
+# what is said instead of a plan when the run's model has no name the planner can build (the user's own module)
+OWN_MODEL = ("the planner is asked about a model by name during a run (a preset, gpt:LxD, hf:<id>): for your own "
+             "model ask colabkit.choose_plan(build, inputs=first_batch, budget_bytes=...), or train with plan='auto'")
+
+
 def suggest_plan(model: Any, batch: int, seq: int, **kw: Any) -> dict[str, Any] | None:
     """The registered planner's cheapest plan that fits (None without a planner or when none fits)."""
     if _SUGGESTER is None or model is None:
@@ -138,7 +143,8 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
         freed = sum(at_oom.values()) - sum(tr.current().values())
         pm.caught = True
         pm.report = {"error": error, "at_oom": at_oom, "largest": max(at_oom, key=at_oom.get),
-                     "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None}
+                     "snapshot": path, "freed_bytes": max(0, freed), "plan": plan, "suggestion": None,
+                     "device": str(tr.device)}
     if model is not None and batch and seq and _SUGGESTER is not None:
         try:
             with tr.paused():  # the planner's own work is not the run's memory
@@ -148,6 +154,8 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
                 pm.report["suggestion_error"] = "no candidate plan fits: use a smaller batch, sequence or model"
         except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)
             pm.report["suggestion_error"] = f"{type(e).__name__}: {e}"
+    elif pm.caught and model is None and batch and seq:  # a run of the user's own model: where to ask
+        pm.report["suggestion_error"] = OWN_MODEL
     if verbose:
         print(pm.text())
     if reraise:

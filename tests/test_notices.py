@@ -43,3 +43,60 @@ def test_only_colabkit_categories_go_through_warn():
         assert "ColabkitWarning" in str(e)
     else:
         raise AssertionError("warn() took a RuntimeWarning")
+
+
+def test_a_cpu_run_is_advised_what_a_cpu_takes_and_the_own_model_where_to_ask():
+    """On a CPU the advice keeps what a CPU run accepts (it refuses offload and attention:efficient; its allocator
+    has no CUDA setting) -- each remedy left is accepted by Plan.check there, each dropped one refused; the
+    alert says the share of the budget reached. A run of the user's own module is told where the planner answers
+    for it, not "no plan fits" (the planner was never asked)."""
+    import re
+
+    import torch
+
+    from colabkit import Context, Plan, PlanError
+    from colabkit.memory import ADVICE, advice
+
+    cpu = torch.device("cpu")
+    for cat, remedies in ADVICE.items():
+        said = advice(cat, "cpu")
+        for token, words in remedies:
+            if token in (None, "cuda"):
+                assert (words in said) == (token is None), (cat, words, said)
+                continue
+            try:
+                Plan.parse(token).check(Context(device=cpu))
+                ok = True
+            except PlanError:
+                ok = False
+            assert (words in said) == ok, (cat, token, said)
+        assert advice(cat, "cuda").count(",") >= said.count(",")
+    assert "offload:params" in advice("params", "cuda") and "PYTORCH_CUDA_ALLOC_CONF" in advice("other", "cuda")
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 256))
+
+    ids = torch.randint(0, 256, (4, 16))
+    with warnings.catch_warnings(record=True) as shown:
+        _python_default_warning_filters()
+        colabkit.train(build, data=[{"input_ids": ids, "labels": ids}] * 2, steps=2, batch=4, seq=16, device="cpu",
+                       budget_bytes=300_000, progress=False)
+    said = [str(w.message) for w in shown if w.category is colabkit.MemoryAlert]
+    assert len(said) == 2 and "colabkit.choose_plan(build" in said[1] and "no plan fits" not in said[1], said
+    assert re.search(r"peak memory [\d.]+ KiB is \d+% of the budget", said[1]), said[1]
+
+
+def test_the_cli_shows_colabkit_warnings_without_a_source_line():
+    """A command has no line of the user's: its warnings print as 'MemoryAlert: ...', one line each (a process of
+    its own: pytest records warnings in place of printing them)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "colabkit", "train", "--model", "gpt-tiny", "--steps", "1", "--batch", "2",
+                        "--seq", "16", "--device", "cpu", "--budget-bytes", "1000000"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    alerts = [ln for ln in r.stderr.splitlines() if "MemoryAlert" in ln]
+    assert len(alerts) == 2 and all(ln.startswith("MemoryAlert: colabkit: ") for ln in alerts), r.stderr
+    assert "warn(" not in r.stderr and ".py:" not in r.stderr, r.stderr
