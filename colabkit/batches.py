@@ -244,6 +244,38 @@ def _main_input(b: Batch) -> torch.Tensor | None:
                  if isinstance(b.kwargs.get(k), torch.Tensor)), None)
 
 
+def check_ids(model: torch.nn.Module, b: Batch) -> None:
+    """Refuse token ids the model's input embedding has no row for, before the forward (torch says "index out of
+    range in self" on the CPU, a device-side assert on a GPU). The embedding: transformers'
+    ``get_input_embeddings()``, else the model's first ``nn.Embedding``; integer ``input_ids`` (or a plain
+    model's first argument) only.
+
+    >>> from colabkit.models import build_model
+    >>> check_ids(build_model("gpt-tiny"), Batch((torch.tensor([[1, 256]]),), {}, None))
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: input_ids hold 1 ids outside [0, 256) (min 256, max 256): the model's input embedding has 256 rows. Check that the tokenizer matches the model (len(tokenizer) against config.vocab_size); after adding tokens, call model.resize_token_embeddings(len(tokenizer))
+    """
+    x = b.args[0] if b.args and isinstance(b.args[0], torch.Tensor) else b.kwargs.get("input_ids")
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool \
+            or x.is_meta or torch._guards.detect_fake_mode((x,)) is not None:  # values unknown when estimating
+        return
+    m = unwrap(model)
+    emb = m.get_input_embeddings() if callable(getattr(m, "get_input_embeddings", None)) else None
+    if not isinstance(emb, torch.nn.Embedding):
+        emb = next((e for e in m.modules() if isinstance(e, torch.nn.Embedding)), None)
+    if emb is None:
+        return
+    n = emb.num_embeddings
+    bad = (x >= n) | (x < 0)
+    if bool(bad.any()):  # on the host, before the ids reach the device's kernels
+        v = x[bad]
+        raise PlanError(f"input_ids hold {int(bad.sum())} ids outside [0, {n}) (min {int(v.min())}, max {int(v.max())}): "
+                        f"the model's input embedding has {n} rows. Check that the tokenizer matches the model "
+                        "(len(tokenizer) against config.vocab_size); after adding tokens, call "
+                        "model.resize_token_embeddings(len(tokenizer))")
+
+
 def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
     """Refuse labels that cannot be ``head``'s targets before the forward, naming the expected shape and
     dtype (torch's own errors come later and say less: "Expected input batch_size (32) to match target

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .batches import Batch, LossFn, check_labels, count, head_of, learn_classes, make_batch, micro_loss
+from .batches import Batch, LossFn, check_ids, check_labels, count, head_of, learn_classes, make_batch, micro_loss
 from .env import default_device, env
 from .data import TextData
 from .device import host_unscaling
@@ -157,6 +157,7 @@ class Trainer:
     def _batch(self, batch: Any, y: torch.Tensor | None) -> tuple[Batch, str]:
         b = make_batch(self.model, batch, y, labels_to_model=self.loss_fn is None and not self.ctx.loss_from_head)
         head = head_of(self.model, b, self.task)
+        check_ids(self.model, b)
         if self.loss_fn is None:  # a loss_fn= takes labels of its own kind
             check_labels(self.model, b, head)  # where the batch came from (the host): no device sync
         return b.to(self.ctx.device), head

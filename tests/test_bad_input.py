@@ -281,6 +281,26 @@ def test_malformed_labels(make, bad, match):
     assert math.isfinite(t.step({"input_ids": x, "labels": ok})) and calls
 
 
+@pytest.mark.parametrize("make", [lambda: build_model("gpt-tiny"), _tiny_llama,
+                                  lambda: torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))],
+                         ids=["gpt", "hf", "own"])
+def test_out_of_vocabulary_input_ids(make):
+    """Token ids the input embedding has no row for (a tokenizer larger than the model's vocabulary) get colabkit's
+    error before the forward, naming the embedding's size and the fix; torch said "index out of range in self"
+    (a device-side assert on a GPU). Negative control: the same batch with its ids in range trains."""
+    from colabkit.trainer import Trainer
+    x = torch.randint(0, 256, (2, 16))
+    model = make()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    t = Trainer(model, "baseline", device="cpu")
+    for bad in (x.clone().index_fill_(1, torch.tensor([5]), 300), x.clone().index_fill_(1, torch.tensor([2]), -1)):
+        with pytest.raises(PlanError, match=r"input_ids hold 2 ids outside \[0, 256\) .*resize_token_embeddings"):
+            t.step({"input_ids": bad, "labels": x})
+    assert calls == []
+    assert math.isfinite(t.step({"input_ids": x, "labels": x})) and calls
+
+
 def test_malformed_classification_labels():
     from colabkit.trainer import Trainer
     from tests.own_models import bert
