@@ -119,6 +119,16 @@ def test_choose_plan_reads_batch_and_seq_from_inputs(few_candidates):
     assert {row["batch"] for row in r["rows"]} == {4} and {row["seq"] for row in r["rows"]} == {16}
 
 
+def test_choose_plan_names_the_device_it_predicted_for(few_candidates):
+    """Nothing fits: the refusal names what was estimated -- a CPU run when device="cpu", whatever gpu says (it
+    said "on t4" for a CPU estimate); the GPU profile otherwise."""
+    from colabkit import choose_plan
+    with pytest.raises(PlanError, match=r"batch 4 x seq 16 on a cpu run: try a smaller"):
+        choose_plan(factory, batch=4, seq=16, device="cpu", budget_bytes=10_000)
+    with pytest.raises(PlanError, match=r"batch 4 x seq 16 on t4: try a smaller"):
+        choose_plan(factory, batch=4, seq=16, gpu="t4", budget_bytes=10_000)
+
+
 def test_train_auto_resumes_with_the_plan_it_started_with(few_candidates, monkeypatch, tmp_path, capsys):
     """A resumed plan="auto" run keeps its checkpoint's plan, even where the planner would now rank another first
     (on a CPU the predicted speeds are measured per process; a close runner-up can overtake)."""

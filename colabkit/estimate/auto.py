@@ -48,7 +48,7 @@ def choose(model: Any, batch: int = 8, seq: int = 128, gpu: str | None = "t4", d
     if not ok:
         raise PlanError(f"plan='auto': no candidate plan is predicted to fit {getattr(model, '__name__', model)} at "
                         f"batch {batch} x seq {seq} "
-                        f"on {gpu or device}: try a smaller batch or sequence (python -m colabkit plan lists them)")
+                        f"on {f'a {device} run' if device else gpu}: try a smaller batch or sequence (python -m colabkit plan lists them)")
     ok.sort(key=lambda r: -r["tokens_per_s"])
     best = ok[0]
     why = (f"auto: {best['plan']}: predicted {best['tokens_per_s']:,.0f} tokens/s, {best['step_time_s']:.3g} s/step, "
