@@ -8,11 +8,13 @@ largest. :mod:`.trace` decides which models are extrapolated (``deep_model``) an
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory import MemoryTracker
 from ..models import GPTConfig, blocks_of
@@ -67,6 +69,52 @@ def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
     if blocks:
         blocks[-1].register_forward_hook(end)
         tracker.segment("pre")
+
+
+class _StepSegments(TorchDispatchMode):
+    """Inside an optimizer's step: an op on a parameter (or its gradient) labels what follows with that
+    parameter's segment, so an optimizer stepping one tensor after another has its peaks per segment too."""
+
+    def __init__(self, labels: dict[int, str], tracker: MemoryTracker):
+        super().__init__()
+        self.labels, self.tracker = labels, tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in args:
+            seg = self.labels.get(id(a))
+            if seg is not None:
+                if seg != self.tracker.current_segment:
+                    self.tracker.segment(seg)
+                break
+        return func(*args, **(kwargs or {}))
+
+
+def _label_step(optimizer: Any, model: torch.nn.Module, tracker: MemoryTracker) -> None:
+    """Label the optimizer step's allocations by the parameter being stepped: a block's parameters as the block
+    (``b0``/``bmid``/``bN``), the others ``pre`` or ``post`` by whether they come before the blocks'. What a
+    step keeps is affine in depth, but its scratch is per parameter: GaLore's projection of the embedding tops the
+    step at 3 layers and a block's does from 4 on (the max of two lines; 2.2% low at gpt:5x128 until labelled).
+    An optimizer whose step takes every tensor at once (foreach, a replayed step) stays in one segment."""
+    try:
+        blocks = list(blocks_of(model))
+    except (ValueError, AttributeError, TypeError):
+        return
+    n = len(blocks)
+    where = {id(p): "b0" if k == 0 else "bN" if k == n - 1 else "bmid" for k, b in enumerate(blocks) for p in b.parameters()}
+    after = False
+    for p in model.parameters():
+        after = after or id(p) in where
+        where.setdefault(id(p), "post" if after else "pre")
+    params = list(model.parameters())
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        labels = {id(p): where[id(p)] for p in params}
+        labels.update({id(p.grad): where[id(p)] for p in params if p.grad is not None})
+        with _StepSegments(labels, tracker):
+            return step(*args, **kwargs)
+    optimizer.step = labelled
 
 
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer")

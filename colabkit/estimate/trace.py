@@ -28,7 +28,7 @@ from ..trainer import Trainer
 from . import replay as _replay, trace_cache as _disk, zero as _zero
 from .as_gpu import _attention_as, check_as_gpu  # noqa: F401 (check_as_gpu: its old home, re-exported)
 from .counting import compute_plan, counting
-from .depth import DEPTHS, _affine, _depth_key, _label_segments
+from .depth import DEPTHS, _affine, _depth_key, _label_segments, _label_step
 from .inputs import fake_batch
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
@@ -179,11 +179,16 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             if _STREAM_BLOCK_GRADS[0]:
                 _stream_block_grads(trainer.model)
             _label_segments(trainer.model, tracker)
+            if not base:
+                _label_step(trainer.optimizer, trainer.model, tracker)
             run = range(steps)
             at_step: list[tuple[str, str | None, dict[str, int], list[tuple[int, int]]]] = []
             if base:  # forward, backward and the step's surroundings; the optimizer is added afterwards
                 inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # fused-step's: one tensor a call
-                where = {id(p): (gi, pi) for gi, g in enumerate(inner.param_groups) for pi, p in enumerate(g["params"])}
+                # positions in the recipe's groups (_recipe), which any plain optimizer of this cached base is made
+                # from -- not in this optimizer's own (GaLore regroups its parameters: other indices)
+                recipe = param_groups(trainer.model, trainer.ctx.weight_decay)
+                where = {id(p): (gi, pi) for gi, g in enumerate(recipe) for pi, p in enumerate(g["params"])}
                 inner.step = lambda closure=None: at_step.append((
                     tracker.current_phase, tracker.current_segment, tracker.current(),
                     [where[id(p)] for g in inner.param_groups for p in g["params"] if p.grad is not None]))
@@ -372,6 +377,13 @@ def _plain_optimizer(plan: Plan) -> bool:
             and all(getattr(opt, f) is None for f in ("prepare_model", "forward_context", "load_model", "wrap_optimizer")))
 
 
+def _shares_base(plan: Plan, recipe: tuple) -> bool:
+    """Whether a base traced with ``plan``'s Trainer may serve every plain optimizer: not where its own optimizer
+    cannot be replayed (GaLore): that Trainer built it -- its own groups, what its construction makes -- which a
+    plain optimizer's trace does not have."""
+    return _replay.optimizer_for(plan, *recipe) is not None
+
+
 def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, profile: dict | None,
                notes: list[str]) -> dict | None:
     """The trace of ``plan`` from the trace of its step without the optimizer (cached per plan minus its
@@ -384,16 +396,18 @@ def _from_base(model_fn, plan: Plan, key: tuple, steps: int, alloc_round: int, p
     bkey = (key[0], "base:" + str(base_plan), *key[2:])
     disk = _gpt_of(model_fn, key[3]) is not None  # as in _traced
     hit = _CACHE.get(bkey) or (_disk.load(bkey) if disk else None)
-    if hit is None:
+    made = hit is None
+    if made:
         own: list[str] = []
         # traced with this plan's own Trainer (its optimizer is never stepped): the same model and step
-        b = trace(model_fn, plan, key[2], key[3], steps, alloc_round, profile, own, base=True)
-        hit = (b, own)
-        if disk:
-            _disk.store(bkey, hit)
+        hit = (trace(model_fn, plan, key[2], key[3], steps, alloc_round, profile, own, base=True), own)
+    if made and not _shares_base(plan, hit[0]["recipe"]):
+        return None
+    t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)
+    if made and disk:
+        _disk.store(bkey, hit)
     _CACHE[bkey] = hit
     _CACHE.move_to_end(bkey)
-    t = with_optimizer(copy.deepcopy(hit[0]), plan, alloc_round)
     if t is not None:
         notes.extend(hit[1])
         t["counted_plan"] = compute_plan(plan)
