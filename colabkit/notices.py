@@ -50,13 +50,20 @@ def _outside(filename: str) -> bool:
 
 
 def stacklevel() -> int:
-    """The ``stacklevel`` of :func:`warnings.warn`, called from :func:`warn`, that names the first frame of the
-    user's code; where there is none (the CLI, a library calling colabkit) colabkit's warning site itself."""
-    frame, level = sys._getframe(2), 2  # the caller of warn(): what warnings.warn(stacklevel=2) in warn() names
+    """The ``stacklevel`` of :func:`warnings.warn`, called from :func:`warn`, that names the user's line that
+    called colabkit: outside the outermost colabkit frame, the first frame that is not an installed library's
+    (transformers' Trainer calling colabkit's callback: the ``trainer.train()`` line). A model's own ``forward``,
+    which colabkit calls, is inside it and is not named. Without such a frame (the CLI, a library calling
+    colabkit) colabkit's warning site itself."""
+    frames = []  # the caller of warn() first, then outwards
+    frame = sys._getframe(2)
     while frame is not None:
-        if _outside(frame.f_code.co_filename):
-            return level
-        frame, level = frame.f_back, level + 1
+        frames.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    ours = [i for i, f in enumerate(frames) if os.path.abspath(f).startswith(_PACKAGE)]
+    for i in range(ours[-1] + 1 if ours else 0, len(frames)):
+        if _outside(frames[i]):
+            return i + 2  # frames[0] is what warnings.warn(stacklevel=2) in warn() names
     return 2
 
 

@@ -100,3 +100,42 @@ def test_the_cli_shows_colabkit_warnings_without_a_source_line():
     alerts = [ln for ln in r.stderr.splitlines() if "MemoryAlert" in ln]
     assert len(alerts) == 2 and all(ln.startswith("MemoryAlert: colabkit: ") for ln in alerts), r.stderr
     assert "warn(" not in r.stderr and ".py:" not in r.stderr, r.stderr
+
+
+def test_an_alert_inside_the_users_forward_names_the_train_call(tmp_path, monkeypatch):
+    """The user's model lives in their own file, and memory crosses the line inside its forward (which colabkit
+    calls): the warning names the line that called colabkit -- this file's train() -- not the forward's. Control:
+    the innermost frame outside colabkit and the libraries is the model's file."""
+    import sys
+
+    import torch
+
+    (tmp_path / "users_model.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.e = torch.nn.Embedding(256, 64); self.l = torch.nn.Linear(64, 256)\n"
+        "    def forward(self, input_ids, labels=None):\n"
+        "        return self.l(self.e(input_ids))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from users_model import M
+
+    ids = torch.randint(0, 256, (4, 16))
+
+    def alerts() -> list[warnings.WarningMessage]:
+        with warnings.catch_warnings(record=True) as shown:
+            _python_default_warning_filters()
+            colabkit.train(M, data=[{"input_ids": ids, "labels": ids}] * 2, steps=2, batch=4, seq=16, device="cpu",
+                           budget_bytes=220_000, progress=False)
+        return [w for w in shown if w.category is colabkit.MemoryAlert]
+    first = alerts()[0]  # crossed inside forward: 130 KB of weights, then the logits' 64 KB
+    assert first.filename == __file__, first.filename
+
+    def innermost() -> int:
+        frame, level = sys._getframe(2), 2
+        while frame is not None and not notices._outside(frame.f_code.co_filename):
+            frame, level = frame.f_back, level + 1
+        return level
+    monkeypatch.setattr(notices, "stacklevel", innermost)
+    sys.modules.pop("users_model", None)
+    assert alerts()[0].filename.endswith("users_model.py")
