@@ -14,7 +14,7 @@ from typing import Any
 
 from .callbacks import Callback, Run
 from .memory import fmt_bytes
-from .oom import OWN_MODEL, suggest_plan
+from .oom import own_model_tip, suggest_plan
 from .notices import MemoryAlert, warn
 
 HOST_LIMIT_BYTES = int(12.7e9)  # Colab's host RAM
@@ -36,14 +36,11 @@ class MemoryAlerts(Callback):
             if not hit or kind in self.sent:
                 continue
             self.sent.add(kind)
-            peak = max((s.get("phase_peak") or 0 for s in tracker.timeline), default=0)  # so far, this run
-            what = (f"peak memory {fmt_bytes(peak)} is {peak / tracker.budget_bytes:.0%} of the budget "
-                    f"({fmt_bytes(tracker.budget_bytes)})" if kind == "device"
+            # the device's alert as the tracker recorded it when memory crossed the line (train's tracker records it
+            # without warning: said once, here, with what the planner suggests)
+            what = (tracker.alerts[0].removeprefix("colabkit: ").rstrip(".") if kind == "device"
                     else f"host RAM use is past 90% of {fmt_bytes(self.host_limit)} (Colab's limit)")
-            if run.model_name is None:  # the user's own module: the planner cannot build it from here
-                tip = OWN_MODEL
-            else:
-                tip = self._suggestion(run, tracker)
+            tip = own_model_tip(run.device) if run.model_name is None else self._suggestion(run, tracker)
             warn(f"colabkit: {what}; {tip}", MemoryAlert)
 
     @staticmethod
@@ -54,5 +51,8 @@ class MemoryAlerts(Callback):
                 s = suggest_plan(run.model_name, run.batch, run.seq, gpu=run.gpu, budget_bytes=tracker.budget_bytes)
         except Exception as e:  # noqa: BLE001  (an alert must never stop training)
             return f"no plan suggestion ({type(e).__name__}: {e})"
+        if s is None:
+            return ("none of the planner's candidate plans fits (they train every weight: lora:R / qlora:R, which train "
+                    "adapters, are not among them): use a smaller batch, seq or model, or lora:R")
         return (f"cheapest plan that fits (planner): {s['plan']} (predicted peak {fmt_bytes(s['peak_bytes'])}, "
-                f"step-time overhead {s['overhead']:+.0%})") if s else "no plan fits: use a smaller batch, seq or model"
+                f"step-time overhead {s['overhead']:+.0%})")

@@ -246,9 +246,10 @@ def _main_input(b: Batch) -> torch.Tensor | None:
 
 def check_ids(model: torch.nn.Module, b: Batch) -> None:
     """Refuse token ids the model's input embedding has no row for, before the forward (torch says "index out of
-    range in self" on the CPU, a device-side assert on a GPU). The embedding: transformers'
-    ``get_input_embeddings()``, else the model's first ``nn.Embedding``; integer ``input_ids`` (or a plain
-    model's first argument) only.
+    range in self" on the CPU, a device-side assert on a GPU). The embedding is the one the model names as its
+    token table (``get_input_embeddings()``: transformers' models and colabkit's GPT); a plain module's
+    embeddings are not guessed at (its first may be a position or feature table). Integer ``input_ids`` (or
+    the first argument) only.
 
     >>> from colabkit.models import build_model
     >>> check_ids(build_model("gpt-tiny"), Batch((torch.tensor([[1, 256]]),), {}, None))
@@ -261,10 +262,11 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
             or x.is_meta or torch._guards.detect_fake_mode((x,)) is not None:  # values unknown when estimating
         return
     m = unwrap(model)
-    emb = m.get_input_embeddings() if callable(getattr(m, "get_input_embeddings", None)) else None
+    try:
+        emb = m.get_input_embeddings() if callable(getattr(m, "get_input_embeddings", None)) else None
+    except NotImplementedError:  # transformers' default for a model that has none
+        emb = None
     if not isinstance(emb, torch.nn.Embedding):
-        emb = next((e for e in m.modules() if isinstance(e, torch.nn.Embedding)), None)
-    if emb is None:
         return
     n = emb.num_embeddings
     bad = (x >= n) | (x < 0)

@@ -285,14 +285,15 @@ def read_latest(directory: str) -> tuple[dict[str, Any] | None, str | None, list
     """The newest valid checkpoint in ``directory``: (state, path, skipped [(name, why)]); a skipped
     one is also warned about. (None, None, skipped) if none is valid."""
     skipped = []
-    for _, path in reversed(list_checkpoints(directory)):
+    newest_first = list(reversed(list_checkpoints(directory)))
+    for i, (_, path) in enumerate(newest_first):
         try:
             state = read_checkpoint(path)
         except (CheckpointError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
             why = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
             skipped.append((os.path.basename(path), why))
-            warn(f"colabkit: skipped checkpoint {os.path.basename(path)}: {why}; trying the previous one",
-                 CheckpointSkipped)
+            then = "trying the previous one" if i + 1 < len(newest_first) else "it was the oldest: none is left"
+            warn(f"colabkit: skipped checkpoint {os.path.basename(path)}: {why}; {then}", CheckpointSkipped)
             continue
         return state, path, skipped
     return None, None, skipped

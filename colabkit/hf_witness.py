@@ -216,7 +216,7 @@ def check_adapters(model: torch.nn.Module, dtypes: bool = True) -> None:
         def say(shapes: list) -> str:
             return ", ".join(sorted({f"{a} rank {r} scale {s:g}" for layer in shapes for a, r, s in layer}))
         raise PlanError(f"the plan's {plan!r} put LoRA adapters on {len(made)} layers ({say(made)}); the model now has "
-                        f"{len(now)} LoRA layers ({say(now)}): adapters were added on top of colabkit's -- TRL's "
+                        f"{len(now)} LoRA layers ({say(now)}): another LoRA config was applied over colabkit's -- TRL's "
                         "SFTTrainer(peft_config=...) or peft's get_peft_model -- and would train a mix of both. Use one: "
                         "drop peft_config (the plan's lora:R is the adapter colabkit measures and estimates), or drop "
                         "lora:R/qlora:R from the plan and let peft add yours")

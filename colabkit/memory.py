@@ -182,6 +182,8 @@ class MemoryTracker(Ledger):
         categories: False skips the dispatch mode (CUDA stats only; no per-op overhead).
         record_history: on CUDA, record allocator history for :meth:`snapshot`.
         alloc_round: count each storage rounded up to this many bytes (the estimator's GPU profiles).
+        warn: warn when the alert fires (False: only record it in ``alerts``; ``train()``'s end-of-step alert says it
+            once, with the planner's suggestion).
 
     Use :meth:`phase` to label forward/backward/optimizer, :meth:`set_step` to label steps and
     :meth:`reset_peaks` to start the measured window after warm-up.
@@ -198,6 +200,7 @@ class MemoryTracker(Ledger):
         categories: bool = True,
         record_history: bool = False,
         alloc_round: int = 1,
+        warn: bool = True,
     ):
         if device is None:
             if model is not None and any(True for _ in model.parameters()):
@@ -209,7 +212,7 @@ class MemoryTracker(Ledger):
         self.models = [model] if model is not None else []
         self.optimizers = [optimizer] if optimizer is not None else []
         self.budget_bytes = budget_bytes if budget_bytes is not None else _default_budget()
-        self.alert_at = alert_at
+        self.alert_at, self.warns = alert_at, warn
         self.on_sample = on_sample
         self.categories = categories
         self.record_history = record_history and self.is_cuda
@@ -519,7 +522,8 @@ class MemoryTracker(Ledger):
             f"({fmt_bytes(cats[top])}). Try: {advice(top, self.device)}."
         )
         self.alerts.append(msg)
-        warn(msg, MemoryAlert)
+        if self.warns:
+            warn(msg, MemoryAlert)
 
     # ----- results -----------------------------------------------------------------------------
     def table(self) -> str:

@@ -141,6 +141,10 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token table (transformers' name for it): what token ids index."""
+        return self.wte
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, S = idx.shape  # (B, S) token ids -> (B, S, V) logits
         if S > self.config.block_size:

@@ -95,9 +95,17 @@ def free_after_oom(trainer: Any = None, err: BaseException | None = None) -> Non
         torch.cuda.empty_cache()
 
 
-# what is said instead of a plan when the run's model has no name the planner can build (the user's own module)
-OWN_MODEL = ("the planner is asked about a model by name during a run (a preset, gpt:LxD, hf:<id>): for your own "
-             "model ask colabkit.choose_plan(build, inputs=first_batch, budget_bytes=...), or train with plan='auto'")
+def own_model_tip(device: Any) -> str:
+    """What is said instead of a plan when the run's model has no name the planner can build (the user's own
+    module): where to ask, for this run's device.
+
+    >>> own_model_tip("cpu").endswith("budget_bytes=..., device='cpu'), or train with plan='auto'")
+    True
+    """
+    where = "device='cpu'" if torch.device(device or "cpu").type == "cpu" else "gpu='t4' (or your GPU's profile)"
+    return ("the planner is asked about a model by name during a run (a preset, gpt:LxD, hf:<id>): for your own "
+            f"model ask colabkit.choose_plan(build, inputs=first_batch, budget_bytes=..., {where}), or train with "
+            "plan='auto'")
 
 
 def suggest_plan(model: Any, batch: int, seq: int, **kw: Any) -> dict[str, Any] | None:
@@ -155,7 +163,7 @@ def oom_guard(tracker: MemoryTracker | None = None, model: str | Any = None, bat
         except Exception as e:  # noqa: BLE001  (a suggestion must never hide the OOM itself)
             pm.report["suggestion_error"] = f"{type(e).__name__}: {e}"
     elif pm.caught and model is None and batch and seq:  # a run of the user's own model: where to ask
-        pm.report["suggestion_error"] = OWN_MODEL
+        pm.report["suggestion_error"] = own_model_tip(tr.device)
     if verbose:
         print(pm.text())
     if reraise:

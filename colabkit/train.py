@@ -215,8 +215,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     run.callbacks = [OOMHandling(on_oom), MemoryAlerts(host_limit_bytes), *([ProgressBar()] if progress else []),
                      *([LivePlotFeed(live_plot)] if live_plot is not None else []), *map(as_callback, callbacks),
                      *([Logging(log, log_dir)] if log else []), *([ck] if ck.dir else [])]
-    run.tracker = MemoryTracker(device=run.device, on_sample=run.on_sample, categories=track,
-                                budget_bytes=budget_bytes) if (track or live_plot) else None
+    run.tracker = MemoryTracker(device=run.device, on_sample=run.on_sample, categories=track, budget_bytes=budget_bytes,
+                                warn=False) if (track or live_plot) else None  # MemoryAlerts says it, with a plan
     try:
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
             model = _build(model, plan, seq, run.device)

@@ -124,9 +124,13 @@ def test_choose_plan_names_the_device_it_predicted_for(few_candidates):
     said "on t4" for a CPU estimate); the GPU profile otherwise."""
     from colabkit import choose_plan
     with pytest.raises(PlanError, match=r"batch 4 x seq 16 on a cpu run: try a smaller"):
-        choose_plan(factory, batch=4, seq=16, device="cpu", budget_bytes=10_000)
+        choose_plan(factory, batch=4, seq=16, device="cpu", budget_bytes=1_000_000)  # weights 0.7 MB fit, a step not
     with pytest.raises(PlanError, match=r"batch 4 x seq 16 on t4: try a smaller"):
-        choose_plan(factory, batch=4, seq=16, gpu="t4", budget_bytes=10_000)
+        choose_plan(factory, batch=4, seq=16, gpu="t4", budget_bytes=300 * 2**20)  # a T4's overheads alone: ~0.4 GB
+    # below the weights themselves a smaller batch cannot help, and the refusal says so
+    with pytest.raises(PlanError, match=r"weights alone take .* more than the budget \(9.8 KiB\) on a cpu run: no "
+                                        r"batch or sequence fits -- use a smaller model, or lora:R"):
+        choose_plan(factory, batch=4, seq=16, device="cpu", budget_bytes=10_000)
 
 
 def test_train_auto_resumes_with_the_plan_it_started_with(few_candidates, monkeypatch, tmp_path, capsys):

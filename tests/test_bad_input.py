@@ -141,7 +141,7 @@ def test_resume_folder_missing(tmp_path):
 def test_resume_folder_without_valid_checkpoint(tmp_path):
     with open(tmp_path / "ckpt-00000005.ckpt", "wb") as f:
         f.write(b"half a checkpoint")
-    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000005.ckpt"), \
+    with pytest.warns(RuntimeWarning, match="skipped checkpoint ckpt-00000005.ckpt: .*; it was the oldest: none is left"), \
             pytest.raises(CheckpointError, match=r"no valid checkpoint in .*ckpt-00000005.ckpt: no end marker.*start without resume"):
         _train(checkpoint_dir=str(tmp_path), resume="must")
     assert os.listdir(tmp_path) == ["ckpt-00000005.ckpt"]
@@ -281,15 +281,27 @@ def test_malformed_labels(make, bad, match):
     assert math.isfinite(t.step({"input_ids": x, "labels": ok})) and calls
 
 
-@pytest.mark.parametrize("make", [lambda: build_model("gpt-tiny"), _tiny_llama,
-                                  lambda: torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))],
-                         ids=["gpt", "hf", "own"])
+class _PositionsFirst(torch.nn.Module):
+    """A user's model whose first nn.Embedding is a position table (16 rows), not the token table (256)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.tok, self.head = torch.nn.Embedding(16, 8), torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256)
+
+    def forward(self, input_ids, labels=None):
+        return self.head(self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1])))
+
+
+@pytest.mark.parametrize("make", [lambda: build_model("gpt-tiny"), _tiny_llama], ids=["gpt", "hf"])
 def test_out_of_vocabulary_input_ids(make):
     """Token ids the input embedding has no row for (a tokenizer larger than the model's vocabulary) get colabkit's
     error before the forward, naming the embedding's size and the fix; torch said "index out of range in self"
-    (a device-side assert on a GPU). Negative control: the same batch with its ids in range trains."""
+    (a device-side assert on a GPU). Negative controls: the same batch with its ids in range trains; a plain
+    module, whose token table colabkit cannot tell from its other embeddings, is not refused on a guess (its
+    first nn.Embedding is a 16-row position table; refused as out of range until 2026-11-27)."""
     from colabkit.trainer import Trainer
     x = torch.randint(0, 256, (2, 16))
+    assert math.isfinite(Trainer(_PositionsFirst(), "baseline", device="cpu").step({"input_ids": x, "labels": x}))
     model = make()
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))

@@ -126,10 +126,11 @@ def test_largest_given_a_model_says_which_command_asks_about_it(capsys, monkeypa
     line, before any search runs (argparse said only "unrecognized arguments", under the top-level usage)."""
     cli = sys.modules["colabkit.estimate.cli"]
     monkeypatch.setattr(cli, "largest", lambda *a, **k: pytest.fail("searched"))
-    assert main(["largest", "--model", "gpt2-124m", "--plan", "checkpoint"]) == 2
+    assert main(["largest", "--model", "gpt2-124m", "--plan", "checkpoint", "--seq", "256", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: largest takes no --model") and err.count("\n") == 1, err
-    assert "colabkit plan --model gpt2-124m" in err and "estimate --model gpt2-124m --plan checkpoint" in err
+    same = "--model gpt2-124m --batch 1 --seq 256 --device cpu"  # the user's options kept
+    assert f"python -m colabkit plan {same} (" in err and f"python -m colabkit estimate {same} --plan checkpoint" in err
 
 
 def test_plan_table_has_a_header_and_says_what_its_percentage_means(monkeypatch, capsys):

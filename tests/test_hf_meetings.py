@@ -74,7 +74,7 @@ def test_trl_peft_config_on_top_of_the_plans_lora_is_stopped(data, tmp_path, mon
     import peft
 
     cfg = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])  # noqa: E731
-    with pytest.raises(PlanError, match=r"adapters were added on top of colabkit's .*drop peft_config"):
+    with pytest.raises(PlanError, match=r"another LoRA config was applied over colabkit's .*drop peft_config"):
         run("trl", "lora:8", data, tmp_path / "both", peft_config=cfg())
     own = run("trl", "baseline", data, tmp_path / "own", peft_config=cfg())
     assert {n.split(".")[-2] for n, p in own.trainer.model.named_parameters() if p.requires_grad} == {"default"}

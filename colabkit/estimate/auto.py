@@ -46,9 +46,14 @@ def choose(model: Any, batch: int = 8, seq: int = 128, gpu: str | None = "t4", d
     if every and not rows:  # nothing could be estimated (e.g. a batch key the model does not take): say why
         raise PlanError(f"plan='auto' could not estimate any plan: {every[0]['error']}")
     if not ok:
-        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {getattr(model, '__name__', model)} at "
-                        f"batch {batch} x seq {seq} "
-                        f"on {f'a {device} run' if device else gpu}: try a smaller batch or sequence (python -m colabkit plan lists them)")
+        name, where = getattr(model, "__name__", model), f"a {device} run" if device else gpu
+        weights = min(r["breakdown"]["params"] for r in rows) if rows else 0
+        if rows and weights > rows[0]["budget_bytes"]:  # no batch or sequence can help: say so
+            raise PlanError(f"plan='auto': {name}'s weights alone take {fmt_bytes(weights)} in every candidate plan, "
+                            f"more than the budget ({fmt_bytes(rows[0]['budget_bytes'])}) on {where}: no batch or "
+                            "sequence fits -- use a smaller model, or lora:R / qlora:R (a frozen 16- or 4-bit base)")
+        raise PlanError(f"plan='auto': no candidate plan is predicted to fit {name} at batch {batch} x seq {seq} "
+                        f"on {where}: try a smaller batch or sequence (python -m colabkit plan lists them)")
     ok.sort(key=lambda r: -r["tokens_per_s"])
     best = ok[0]
     why = (f"auto: {best['plan']}: predicted {best['tokens_per_s']:,.0f} tokens/s, {best['step_time_s']:.3g} s/step, "

@@ -179,10 +179,12 @@ def register_cli(subcommand) -> None:
     @subcommand("largest", "the largest GPT-shaped model that fits a plan (exit 1 when nothing does)",
                 largest_args, _largest_table)
     def _largest(args):
-        if args.model is not None:
+        if args.model is not None:  # the same question about that model, with the options given
+            same = f"--model {args.model} --batch {args.batch} --seq {args.seq} " + \
+                (f"--device {args.device}" if args.device else f"--gpu {args.gpu}")
             raise ValueError(f"largest takes no --model: it searches GPT shapes for the largest that fits the plan. "
-                             f"To ask about {args.model}: colabkit plan --model {args.model} (every plan, fits or "
-                             f"not) or colabkit estimate --model {args.model} --plan {args.plan}")
+                             f"To ask about {args.model}: python -m colabkit plan {same} (every plan, fits or not) "
+                             f"or python -m colabkit estimate {same} --plan {args.plan}")
         check_sizes(args.batch, args.seq, 1)
         gpu = None if args.device == "cpu" else args.gpu
         r = largest(args.plan, seq=args.seq, batch=args.batch, gpu=args.gpu, device=args.device)
