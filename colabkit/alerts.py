@@ -2,8 +2,9 @@
 
 :class:`MemoryAlerts` receives the train loop's ``on_step_end``: once the tracked peak passes the tracker's
 alert fraction of the budget (``train(budget_bytes=...)``), or host RAM passes 90% of ``host_limit``
-(Colab's 12.7 GB), it warns (:class:`~colabkit.notices.MemoryAlert`, shown by default) naming the planner's cheapest plan that fits, through the
-hook :mod:`colabkit.oom` holds (the planner sits above the train loop).
+(Colab's 12.7 GB), it warns once (:class:`~colabkit.notices.MemoryAlert`, shown by default) with what the tracker
+recorded and the planner's cheapest plan that fits, through the hook :mod:`colabkit.oom` holds (the planner sits
+above the train loop).
 
 >>> MemoryAlerts().host_limit
 12700000000
@@ -14,8 +15,8 @@ from typing import Any
 
 from .callbacks import Callback, Run
 from .memory import fmt_bytes
-from .oom import own_model_tip, suggest_plan
 from .notices import MemoryAlert, warn
+from .oom import own_model_tip, suggest_plan
 
 HOST_LIMIT_BYTES = int(12.7e9)  # Colab's host RAM
 
