@@ -303,6 +303,9 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
     if lm_like:  # float labels shaped like input_ids on a model that is not a classifier: token ids as floats
         head = "causal-lm"
     n = n_classes(model, head)
+    choices = type(m).__name__.endswith("ForMultipleChoice")
+    if choices:  # labels index the choices, dim 1 of the inputs (B, choices, S); config.num_labels is not used
+        n = int(x.shape[1]) if x is not None and x.ndim >= 2 else None
     ids = f"class ids in [0, {n})" if n else "class ids"
     if head in ("causal-lm", "token-classification"):
         if seq2seq:
@@ -315,6 +318,11 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         what = "step(x, y)'s y (each input position's target)" if b.aligned and not seq2seq else f"this {head} head"
         want = f"{what} needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
         if y.dtype != torch.long or not ok:
+            raise PlanError(f"{got}; {want}")
+    elif choices:
+        want = (f"this multiple-choice head needs labels of shape ({b.size},) and dtype torch.long: the right choice's "
+                f"index, in [0, {n or 'choices'}) (dim 1 of inputs shaped (batch, choices, seq))")
+        if y.dtype != torch.long or tuple(y.shape) != (b.size,):
             raise PlanError(f"{got}; {want}")
     elif head == "sequence-classification":
         want = (f"this classification head needs labels of shape ({b.size},) and dtype torch.long ({ids}), "
@@ -333,8 +341,28 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         if bool(bad.any()):  # one check per batch, on the host before the labels reach the device's kernels
             v = y[bad]
             raise PlanError(f"labels hold {int(bad.sum())} ids outside [0, {n}) (min {int(v.min())}, max {int(v.max())}; "
-                            f"-100 is the only negative allowed); {want}: check that the tokenizer matches the model "
-                            "(its vocabulary) or the number of classes (config.num_labels)")
+                            f"-100 is the only negative allowed); {want}" + ("" if choices else
+                            ": check that the tokenizer matches the model (its vocabulary) or the number of classes "
+                            "(config.num_labels)"))
+
+
+def check_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A transformers-style call ``model(*args, **kwargs)`` checked before its forward, where a loop other than
+    colabkit's calls the model (transformers' Trainer, TRL's: :class:`colabkit.hf.MemoryCallback`): its token
+    ids (:func:`check_ids`) and, on a model whose class names its head (``...ForCausalLM``,
+    ``...ForSequenceClassification``, ...: transformers' loss conventions), its ``labels`` (:func:`check_labels`).
+    A user's own module computing its own loss has its labels left alone: their convention is its own.
+
+    >>> from colabkit.models import build_model
+    >>> check_call(build_model("gpt-tiny"), (), {"input_ids": torch.tensor([[300]])})
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: input_ids hold 1 ids outside [0, 256) (min 300, max 300): the model's input embedding has 256 rows. Check that the tokenizer matches the model (len(tokenizer) against config.vocab_size); after adding tokens, call model.resize_token_embeddings(len(tokenizer))
+    """
+    b = Batch(tuple(args), {k: v for k, v in kwargs.items() if k != "labels"}, kwargs.get("labels"))
+    check_ids(model, b)
+    if isinstance(b.labels, torch.Tensor) and type(unwrap(model)).__name__.endswith(sum(_SUFFIXES.values(), ())):
+        check_labels(model, b, head_of(model, b))
 
 
 def _shifted(labels: torch.Tensor) -> torch.Tensor:

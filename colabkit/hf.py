@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .batches import unwrap
+from .batches import check_call, unwrap
 from .env import default_device, env
 from .hf_models import build_llama, dtype_kwarg, llama_config, llama_intermediate, load_hf_4bit, single_device_map  # noqa: F401
 from .hf_witness import (_spelled, _with_contexts, _witness_adapters, _witness_checkpoint, _witness_chunked,
@@ -349,7 +349,8 @@ class MemoryCallback:
     notebook the live plot (:class:`colabkit.LivePlot`) is redrawn in place; every training log gets
     ``memory/*`` scalars (the callback moves itself first among the Trainer's callbacks, so the reporters
     -- TensorBoard, W&B, ... -- see them); at the end it prints the tracker's table. ``report()`` gives
-    the tracker's report, ``tracker`` the tracker itself. A run that raises leaves the tracker on until
+    the tracker's report, ``tracker`` the tracker itself. Each training batch's token ids and labels are checked
+    before the forward (``check_batches``: :func:`colabkit.batches.check_call`), as colabkit's own loop does. A run that raises leaves the tracker on until
     the next ``train()`` or :meth:`close`.
 
     >>> trainer = transformers.Trainer(model, args, train_dataset=ds, callbacks=[MemoryCallback()])  # doctest: +SKIP
@@ -364,7 +365,8 @@ class MemoryCallback:
         return object.__new__(cls)
 
     def __init__(self, live_plot: "LivePlot | bool | None" = None, budget_bytes: int | None = None,
-                 print_table: bool = True, alert_at: float | None = 0.9):
+                 print_table: bool = True, alert_at: float | None = 0.9, check_batches: bool = True):
+        self.check_batches = check_batches
         self.live_plot = LivePlot(budget_bytes=budget_bytes) if live_plot in (None, True) else (live_plot or None)
         self.budget_bytes, self.print_table, self.alert_at = budget_bytes, print_table, alert_at
         self.tracker: MemoryTracker | None = None
@@ -402,6 +404,8 @@ class MemoryCallback:
         self.tracker.set_step(self._step)
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        model.register_forward_hook(self._after_forward)]
+        if self.check_batches:
+            self._hooks.append(model.register_forward_pre_hook(self._check_batch, with_kwargs=True))
         self._verify = model  # the model-side tokens are checked after the first training forward
         getattr(unwrap(model), "_colabkit_ran", {}).clear()
 
@@ -470,6 +474,16 @@ class MemoryCallback:
 
     def _before_forward(self, module, args):
         self._switch("forward" if module.training else "eval")
+
+    def _check_batch(self, module, args, kwargs):
+        """Each batch's token ids and labels checked before the forward (:func:`colabkit.batches.check_call`): on a
+        GPU an id past the embedding's or the head's rows is a device-side assert, after which the session's CUDA
+        context is lost (the model with it). Costs one device sync a forward; ``check_batches=False`` skips it."""
+        try:
+            check_call(module, args, kwargs)
+        except PlanError:
+            self.close()  # the tracker's dispatch mode and hooks end with the run
+            raise
 
     def _after_forward(self, module, args, output):
         if module.training and torch.is_grad_enabled() and self._verify is not None:

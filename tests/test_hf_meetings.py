@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 from colabkit import PlanError, Trainer, build_model  # noqa: E402
 from colabkit import hf, hf_witness  # noqa: E402
 from colabkit.techniques import chunked_ce  # noqa: E402
-from tests.test_hf_paths import (KINDS, V, _fresh_bitsandbytes_overrides, baselines, data, needs_trl,  # noqa: E402,F401
-                                 run)
+from tests.test_hf_paths import (KINDS, STEPS, B, V, _fresh_bitsandbytes_overrides, baselines, data, needs_trl,  # noqa: E402,F401
+                                 run, trl)
 
 
 def _kinds():
@@ -143,3 +143,88 @@ def test_attention_on_a_model_without_sdpa_is_stopped_in_both_loops(data, tmp_pa
         Trainer(MyLM(), "attention:math", device="cpu").step({"input_ids": ids, "labels": ids})
     run("hf", "attention:math", data, tmp_path / "gpt", make=lambda: build_model("llama:2x128"))
     assert Trainer(build_model("gpt:2x32:v256"), "attention:math", device="cpu").step(ids, ids) > 0
+
+
+def _bad_batches(tmp_path, rows, check: bool):
+    """transformers.Trainer on llama:2x128 (V rows) over ``rows``; MemoryCallback with its batch check on or off."""
+    args = hf.training_arguments("baseline", output_dir=str(tmp_path), per_device_train_batch_size=B, max_steps=STEPS,
+                                 report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+    cb = hf.MemoryCallback(live_plot=False, print_table=False, check_batches=check)
+    trainer = transformers.Trainer(model=build_model("llama:2x128"), args=args, train_dataset=rows, callbacks=[cb])
+    try:
+        trainer.train()
+    finally:
+        cb.close()
+    return cb
+
+
+@pytest.mark.parametrize("key,match,torch_error", [
+    ("input_ids", r"input_ids hold 4 ids outside \[0, 256\) \(min 300, max 300\).*resize_token_embeddings",
+     "index out of range"),
+    ("labels", r"labels hold 4 ids outside \[0, 256\).*this causal-lm head needs labels of shape \(4, 64\)",
+     "out of bounds")])
+def test_ids_past_the_vocabulary_are_stopped_under_transformers_trainer(data, tmp_path, key, match, torch_error):
+    """An id the embedding or the LM head has no row for (a tokenizer that does not match the model) is a device-side
+    assert on a GPU, after which the CUDA context is gone with the model in it; MemoryCallback checks each batch
+    before the forward and stops the run with colabkit's error, the tracker closed. Control: with the check off the
+    same batch reaches torch's own error (what the GPU turns into the assert)."""
+    rows = [{k: v.clone() for k, v in r.items()} for r in data["hf"]]
+    for r in rows:  # one id past the vocabulary in every row: the first batch, whichever rows the shuffle draws
+        r[key][5] = 300
+    with pytest.raises(PlanError, match=match):
+        cb = _bad_batches(tmp_path / "on", rows, check=True)
+    with pytest.raises(IndexError, match=torch_error):
+        _bad_batches(tmp_path / "off", rows, check=False)
+    good = _bad_batches(tmp_path / "good", data["hf"], check=True)  # the check refuses nothing valid
+    assert good.report()["peak_bytes"] > 0
+
+
+def test_multiple_choice_labels_index_the_choices():
+    """A ...ForMultipleChoice model's labels pick one of the choices (dim 1 of its (B, choices, S) inputs), not one of
+    config.num_labels: with 4 choices label 3 trains to the model's own loss (it was refused against num_labels=2);
+    label 4 is refused naming the choices. Control: torch's own loss on the same batch."""
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForMultipleChoice(cfg)
+    assert cfg.num_labels == 2
+    x, y = torch.randint(0, V, (2, 4, 8)), torch.tensor([3, 1])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    want = torch.nn.functional.cross_entropy(logits, y).item()
+    assert Trainer(model, "sgd", device="cpu").step({"input_ids": x, "labels": y}) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(PlanError, match=r"multiple-choice head needs labels of shape \(2,\).*in \[0, 4\)"):
+        Trainer(model, "sgd", device="cpu").step({"input_ids": x, "labels": torch.tensor([4, 1])})
+
+
+@needs_trl
+def test_a_tokenizer_larger_than_the_model_is_stopped_under_trl(tmp_path):
+    """SFTTrainer with a tokenizer of V + 8 words on a model of V rows (the classic mismatch: tokens added, the
+    embedding not resized): MemoryCallback stops the first batch naming the fix, though TRL's fused head goes around
+    model.forward (the check sits on the model's call). Control: with the check off, torch's own error."""
+    import datasets
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(V + 6)]
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>",
+                                                     unk_token="<unk>")
+    ds = datasets.Dataset.from_dict({"text": [f"w1 w2 {words[-1]} w3" for _ in range(8)]})  # id V + 7 in each
+
+    def sft(check: bool, out: str):
+        args = hf.training_arguments("baseline", cls=trl.SFTConfig, max_length=16, output_dir=str(tmp_path / out),
+                                     per_device_train_batch_size=B, max_steps=STEPS, report_to="none",
+                                     save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+        cb = hf.MemoryCallback(live_plot=False, print_table=False, check_batches=check)
+        trainer = trl.SFTTrainer(model=build_model("llama:2x128"), args=args, train_dataset=ds,
+                                 processing_class=tokenizer, callbacks=[cb])
+        try:
+            trainer.train()
+        finally:
+            cb.close()
+
+    with pytest.raises(PlanError, match=rf"input_ids hold 4 ids outside \[0, {V}\) \(min {V + 7}, max {V + 7}\)"):
+        sft(True, "on")
+    with pytest.raises(IndexError, match="index out of range"):
+        sft(False, "off")
