@@ -45,6 +45,9 @@ _SUFFIXES = {
     "token-classification": ("ForTokenClassification", "ForMaskedLM"),
     "sequence-classification": ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
                                 "ForMultipleChoice"),
+    # transformers' CTC models compute their loss themselves (labels: (B, target length), -100 padded);
+    # "ctc" averages over examples (ctc_loss_reduction="mean"), "ctc-sum" adds them (the default, "sum")
+    "ctc": ("ForCTC",),
 }
 LossFn = Callable[[Any, "torch.Tensor | None", torch.Tensor], torch.Tensor]
 
@@ -189,6 +192,8 @@ def head_of(model: torch.nn.Module, b: Batch, task: str | None = None) -> str:
         if name.endswith(suffixes):
             if head == "causal-lm" and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
                 return "token-classification"  # seq2seq: labels align with the decoder's positions
+            if head == "ctc":
+                return "ctc-sum" if getattr(getattr(unwrap(model), "config", None), "ctc_loss_reduction", "sum") == "sum" else "ctc"
             return "token-classification" if b.aligned and head == "causal-lm" else head
     labels = b.labels
     if labels is not None and labels.ndim >= 2 and not labels.is_floating_point():
@@ -226,7 +231,7 @@ def learn_classes(model: torch.nn.Module, out: Any, b: Batch, head: str) -> None
     >>> learn_classes(m, torch.zeros(2, 3), b, "sequence-classification")
     Traceback (most recent call last):
     ...
-    colabkit.plan.PlanError: labels hold 1 ids outside [0, 3) (min 3, max 3; -100 is the only negative allowed); this classification head needs labels of shape (2,) and dtype torch.long (class ids in [0, 3)), or float labels: (2,) for regression (one output), (2, 3) for multi-label: check that the tokenizer matches the model (its vocabulary) or the number of classes (config.num_labels)
+    colabkit.plan.PlanError: labels hold 1 ids outside [0, 3) (min 3, max 3; -100 is the only negative allowed); this classification head needs labels of shape (2,) and dtype torch.long (class ids in [0, 3)), or float labels: (2,) for regression (one output), (2, 3) for multi-label: check the number of classes (config.num_labels) against your label set
     """
     if n_classes(model, head) is not None or not isinstance(b.labels, torch.Tensor) or b.labels.is_floating_point():
         return
@@ -327,7 +332,7 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
     elif head == "sequence-classification":
         want = (f"this classification head needs labels of shape ({b.size},) and dtype torch.long ({ids}), "
                 f"or float labels: ({b.size},) for regression (one output), ({b.size}, {n or 'classes'}) for multi-label")
-        ok_int = y.dtype == torch.long and y.ndim == 1
+        ok_int = y.dtype == torch.long and (y.ndim == 1 or tuple(y.shape) == (b.size, 1))  # transformers: labels.view(-1)
         # float labels: regression with one output, else multi-label with one per class (transformers' problem_type)
         ok_float = y.is_floating_point() and (n in (None, 1) or tuple(y.shape) == (b.size, n))
         if y.ndim == 0 or y.shape[0] != b.size or not (ok_int or ok_float):
@@ -336,14 +341,15 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
             return
     else:
         return
+    classes = head == "sequence-classification" or type(m).__name__.endswith("ForTokenClassification")  # num_labels
     if n and not y.is_meta and torch._guards.detect_fake_mode((y,)) is None:  # values unknown when estimating
         bad = (y >= n) | ((y < 0) & (y != IGNORE_INDEX))
         if bool(bad.any()):  # one check per batch, on the host before the labels reach the device's kernels
             v = y[bad]
             raise PlanError(f"labels hold {int(bad.sum())} ids outside [0, {n}) (min {int(v.min())}, max {int(v.max())}; "
                             f"-100 is the only negative allowed); {want}" + ("" if choices else
-                            ": check that the tokenizer matches the model (its vocabulary) or the number of classes "
-                            "(config.num_labels)"))
+                            ": check the number of classes (config.num_labels) against your label set" if classes else
+                            ": check that the tokenizer matches the model (its vocabulary)"))
 
 
 def check_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -375,6 +381,8 @@ def count(labels: torch.Tensor | None, head: str, examples: int = 1) -> torch.Te
     element of float labels; ``examples`` when there are no labels (``loss_fn``)."""
     if labels is None:
         return examples
+    if head.startswith("ctc"):  # the model's own loss: a mean over examples ("ctc"), or their sum ("ctc-sum")
+        return labels.shape[0]
     if labels.is_floating_point():
         return labels.numel()
     if head == "causal-lm":
@@ -395,8 +403,13 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, head: str, problem_t
         if logits.shape != labels.shape:
             _mismatch(logits, labels)
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    if head.startswith("ctc"):
+        raise PlanError("a CTC model computes its loss itself from labels (transformers' ...ForCTC): give the batch's "
+                        "targets as 'labels', or pass loss_fn=f(outputs, labels, num_items_in_batch)")
     if head == "causal-lm":
         labels = _shifted(labels)
+    if head == "sequence-classification" and labels.ndim == 2 and labels.shape[1] == 1 and logits.ndim == 2:
+        labels = labels[:, 0]  # one class id per example, kept in a column (transformers takes labels.view(-1))
     if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
         _mismatch(logits, labels)
     if hasattr(logits, "cross_entropy_sum"):  # logits that exist chunk by chunk inside their loss (chunked-ce)
@@ -431,6 +444,8 @@ def micro_loss(out: Any, b: Batch, head: str, n_window: torch.Tensor | int, n_mi
     if loss_fn is not None:
         return loss_fn(out, b.labels, n_window)
     own = loss_of(out)
+    if own is not None and "labels" in b.kwargs and head == "ctc-sum":  # a sum over the micro-batch: sums add up
+        return own
     if own is not None and "labels" in b.kwargs:  # the model's mean over its own micro-batch: re-weight
         return own * (n_micro / n_window)
     if own is not None and b.labels is None:

@@ -30,12 +30,13 @@ def _first_tensor(item: Any) -> torch.Tensor | None:
     return next((torch.as_tensor(v) for v in values if isinstance(v, (torch.Tensor, list, tuple)) and len(v)), None)
 
 
-def is_batch(item: Any) -> bool:
-    """A batch dict (or ``(x, y)``) already holds a batch dimension: its ids have 2 dims (images 4)."""
+def is_batch(item: Any, example_dims: int = 1) -> bool:
+    """A batch dict (or ``(x, y)``) already holds a batch dimension: its ids have ``example_dims`` + 1 dims
+    (an example's ids have 1; a multiple-choice example's 2: choices x seq), images 4."""
     if isinstance(item, Mapping) and "pixel_values" in item:
         return torch.as_tensor(item["pixel_values"]).ndim >= 4
     t = torch.as_tensor(item["input_ids"]) if isinstance(item, Mapping) and "input_ids" in item else _first_tensor(item)
-    return t is not None and t.ndim >= 2
+    return t is not None and t.ndim >= example_dims + 1
 
 
 def _stack(key: str, values: list[Any]) -> torch.Tensor:
@@ -129,15 +130,18 @@ class TextFeed:
 
 
 def feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str = "cpu",
-         eval_every: int = 0) -> TextFeed | Feed:
-    """The step -> batch function of ``train(data=...)`` (see the module's docstring)."""
-    f = _feed(data, batch, seq, seed, device)
+         eval_every: int = 0, example_dims: int = 1) -> TextFeed | Feed:
+    """The step -> batch function of ``train(data=...)`` (see the module's docstring); ``example_dims``: the
+    dimensions of one example's ids (2 for a multiple-choice model: choices x seq), which tell a list of
+    examples from a list of batches."""
+    f = _feed(data, batch, seq, seed, device, example_dims)
     if eval_every and isinstance(f, Feed):
         f.eval_batch(0)  # refused before anything is built
     return f
 
 
-def _feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str) -> TextFeed | Feed:
+def _feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str,
+          example_dims: int = 1) -> TextFeed | Feed:
     if data is None or _is_corpus(data):
         return TextFeed(data if data is not None else TextData(), batch, seq, seed, device)
     if isinstance(data, torch.utils.data.DataLoader):
@@ -147,7 +151,7 @@ def _feed(data: Any, batch: int, seq: int, seed: int, device: torch.device | str
         raise ValueError(f"data: a {type(data).__name__} cannot be indexed by step; give a list or map-style Dataset "
                          "(of batch dicts or examples), a DataLoader over one, or colabkit's TextData")
     kind = "list" if isinstance(data, Sequence) else type(data).__name__
-    if len(data) and is_batch(data[0]):
+    if len(data) and is_batch(data[0], example_dims):
         return Feed(data, 1, seed, kind=kind)
     return Feed(data, batch, seed, collate_fn=collate, kind=kind)
 

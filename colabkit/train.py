@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
-from .feed import feed
+from .batches import unwrap
+from .feed import TextFeed, feed
 from .determinism import deterministic as deterministic_mode, seed_all
 from .alerts import HOST_LIMIT_BYTES, MemoryAlerts
 from .callbacks import LivePlotFeed, Run, as_callback
@@ -166,7 +167,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     ``model``: a name (``gpt-tiny``, ``gpt:LxD``, ``hf:<id>``), your module, or a function that builds it.
     ``data``: colabkit's corpus (default) or your own -- a list or map-style ``Dataset`` of batch dicts or of
     examples (``batch`` of them per step), or a ``DataLoader`` (:mod:`colabkit.feed`); the batch of step ``s``
-    depends on (``seed``, ``s``) only, so a resumed run sees the batches it would have seen.
+    depends on (``seed``, ``s``) only, so a resumed run sees the batches it would have seen. ``seq`` is the
+    length of colabkit's text windows (and the context a ``gpt:LxD`` name is built for); your own batches keep theirs.
     ``plan="auto"``: the fastest plan predicted to fit ``budget_bytes`` (:mod:`colabkit.estimate.auto`).
 
     The loop fires events (run start, step start/end, evaluation, save, out of memory, run end; see
@@ -207,7 +209,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     check_device(device)
     if isinstance(model, str):
         check_context(model, seq)
-    source = feed(data, batch, seq, seed, _device(device), eval_every)  # step -> batch, from (seed, step) only
+    choices = isinstance(model, torch.nn.Module) and type(unwrap(model)).__name__.endswith("ForMultipleChoice")
+    source = feed(data, batch, seq, seed, _device(device), eval_every, 2 if choices else 1)  # from (seed, step) only
     check_run(source.size, seq, steps, plan, on_oom)  # a batch dict's own size
     _say_ready_batches(data, source, batch)
     seed_all(seed)
@@ -220,7 +223,8 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     try:
         with deterministic_mode(deterministic), run.tracker if run.tracker is not None else contextlib.nullcontext():
             model = _build(model, plan, seq, run.device)
-            _check_model(model, seq)
+            if isinstance(source, TextFeed):  # seq cuts colabkit's text windows; your own batches keep their length
+                _check_model(model, seq)
             run.trainer = Trainer(model, plan, device=run.device, lr=lr, max_grad_norm=max_grad_norm,
                                   model_name=run.model_name, tracker=run.tracker, offload_sim=offload_sim)
             run.fire("on_init_end")

@@ -1,0 +1,117 @@
+"""transformers' heads in colabkit's own loop, with their own batches (a new user's review of 2026-11-27): a
+model whose context is shorter than train's default seq, multiple-choice examples, single-label classes kept in a
+column, and CTC models under accum:K. Each loss is compared with the model's own on the same batch (dropout off);
+each fix has a control that puts the old behaviour back and must be caught.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import colabkit  # noqa: E402
+from colabkit import PlanError, Trainer, batches  # noqa: E402
+from colabkit.feed import feed  # noqa: E402
+
+V = 100
+BERT = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_own_batches_keep_their_length_whatever_seq_says():
+    """seq cuts colabkit's text windows; a GPT-2 with 64 positions trains on its own 8-token batches with train's
+    default seq=128 (it was refused: "seq 128 is longer than the model's context"). Control: on colabkit's text,
+    where seq is the window, the same model is refused."""
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0)
+    x = torch.randint(0, V, (4, 8))
+    r = colabkit.train(transformers.GPT2LMHeadModel(cfg), data=[{"input_ids": x, "labels": x}], steps=2, device="cpu",
+                       progress=False)
+    assert len(r["losses"]) == 2
+    with pytest.raises(ValueError, match=r"seq 128 is longer than the model's context \(64 positions\)"):
+        colabkit.train(transformers.GPT2LMHeadModel(cfg), steps=1, device="cpu", progress=False)
+
+
+def test_multiple_choice_examples_are_collated_not_taken_as_batches():
+    """One multiple-choice example's ids are (choices, seq): train(batch=2) stacks two of them into (2, choices, seq)
+    and the labels index the choices. Control: read as 1-D examples (the old rule), each example is taken as a
+    batch of 4 -- and its 0-d label refused."""
+    g = torch.Generator().manual_seed(0)
+    ex = [{"input_ids": torch.randint(0, V, (4, 8), generator=g), "labels": torch.tensor(i % 4)} for i in range(4)]
+    assert feed(ex, 2, 8, 0, example_dims=2).batch(0)["input_ids"].shape == (2, 4, 8)
+    model = transformers.BertForMultipleChoice(transformers.BertConfig(**BERT))
+    r = colabkit.train(model, data=ex, batch=2, steps=2, device="cpu", progress=False)
+    assert len(r["losses"]) == 2
+    assert feed(ex, 2, 8, 0, example_dims=1).batch(0)["input_ids"].shape == (4, 8)
+    with pytest.raises(PlanError, match=r"labels have shape \(\)"):
+        Trainer(model, "sgd", device="cpu").step(ex[0])
+
+
+class _Classifier(torch.nn.Module):
+    """A user's own classifier: mean-pooled embeddings to 3 logits, no loss of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(V, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, input_ids):
+        return self.out(self.emb(input_ids).mean(1))
+
+
+def test_single_label_classes_in_a_column_train_as_transformers_takes_them():
+    """Class ids shaped (B, 1) (each example's label a one-element list): transformers flattens them, and so does
+    colabkit -- a BERT classifier's step equals its own loss, a plain module's equals torch's cross-entropy on the
+    flattened ids. Controls: (B, 2) integer labels are still refused with the expected shapes; and the check that
+    refused (B, 1) (ndim == 1 only) does refuse it."""
+    ids, y = torch.randint(0, V, (4, 8)), torch.tensor([[0], [2], [1], [1]])
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT, num_labels=3))
+    with torch.no_grad():
+        want = bert(input_ids=ids, labels=y).loss.item()
+    assert Trainer(bert, "sgd", device="cpu").step({"input_ids": ids, "labels": y}) == pytest.approx(want, rel=1e-6)
+    own = _Classifier()
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(own(ids), y[:, 0]).item()
+    assert Trainer(own, "sgd", device="cpu", task="sequence-classification").step(ids, y) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(PlanError, match=r"labels have shape \(4, 2\).*needs labels of shape \(4,\)"):
+        Trainer(bert, "sgd", device="cpu").step({"input_ids": ids, "labels": torch.zeros(4, 2, dtype=torch.long)})
+    b = batches.Batch((), {"input_ids": ids}, y)
+    assert not (y.dtype == torch.long and y.ndim == 1)  # the old rule's verdict on this batch: refused
+    batches.check_labels(bert, b, "sequence-classification")  # the new one takes it
+
+
+def _ctc(reduction: str):
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=20, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, ctc_loss_reduction=reduction)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(1, 20, (4, 6), generator=g)
+    labels[1, 4:], labels[3, 3:] = -100, -100  # targets of different lengths, padded
+    return transformers.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(4, 1600, generator=g), "labels": labels}
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_ctc_under_accumulation_equals_the_models_own_loss(reduction, monkeypatch):
+    """A ...ForCTC model's own loss is a sum over examples (ctc_loss_reduction="sum", the default) or their mean:
+    accum:2 adds the micro-batches' sums, or weights their means by examples -- the window's loss equals the
+    model's on the whole batch, and so do the weights after the step (plain SGD on the whole batch). Control: read
+    as a causal LM (the old rule: weights by shifted tokens) it is off by more than 0.1%."""
+    model, batch = _ctc(reduction)
+    ref_model, _ = _ctc(reduction)
+    with torch.no_grad():
+        want = model(**batch).loss.item()
+    got = Trainer(model, "sgd+accum:2", device="cpu", lr=0.1, weight_decay=0.0).step(batch)
+    assert got == pytest.approx(want, rel=1e-5)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_model(**batch).loss.backward()
+    ref_opt.step()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), n
+    monkeypatch.setitem(batches._SUFFIXES, "ctc", ("NoSuchHead",))
+    model, batch = _ctc(reduction)
+    old = Trainer(model, "sgd+accum:2", device="cpu").step(batch)
+    assert abs(old / want - 1) > 1e-3, (old, want)  # 50% (sum), 0.7% (mean) here; the fixed path is within 1e-5
