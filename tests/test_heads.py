@@ -14,6 +14,8 @@ import colabkit  # noqa: E402
 from colabkit import PlanError, Trainer, batches  # noqa: E402
 from colabkit.feed import feed  # noqa: E402
 
+trainer_module = __import__("importlib").import_module("colabkit.trainer")
+
 V = 100
 BERT = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -115,3 +117,64 @@ def test_ctc_under_accumulation_equals_the_models_own_loss(reduction, monkeypatc
     model, batch = _ctc(reduction)
     old = Trainer(model, "sgd+accum:2", device="cpu").step(batch)
     assert abs(old / want - 1) > 1e-3, (old, want)  # 50% (sum), 0.7% (mean) here; the fixed path is within 1e-5
+
+
+def _bert(cls, **kw):
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(transformers.BertConfig(**BERT, **kw))
+
+
+def _uneven(labels: torch.Tensor) -> torch.Tensor:
+    """Ignore (-100) most positions of the first half's rows and few of the second's: micro-batches of unequal
+    token counts, where weighting by micro-batch instead of by token shows."""
+    labels = labels.clone()
+    labels[: len(labels) // 2, 2:] = -100
+    labels[len(labels) // 2:, -1:] = -100
+    return labels
+
+
+def _head_cases():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (4, 8), generator=g)
+    t5 = lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(  # noqa: E731
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0))
+    vit = lambda: transformers.ViTForImageClassification(transformers.ViTConfig(  # noqa: E731
+        image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+    return {  # name: (model factory, batch, plan, whether micro-batches' token counts differ)
+        "masked-lm": (lambda: _bert("BertForMaskedLM"), {"input_ids": ids, "labels": _uneven(ids)}, "sgd+accum:2", True),
+        "token-classification": (lambda: _bert("BertForTokenClassification", num_labels=5),
+                                 {"input_ids": ids, "labels": _uneven(ids % 5)}, "sgd+accum:2", True),
+        "seq2seq": (t5, {"input_ids": ids, "labels": _uneven(torch.randint(1, V, (4, 6), generator=g))},
+                    "sgd+accum:2", True),
+        "single-label": (lambda: _bert("BertForSequenceClassification", num_labels=3),
+                         {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 1])}, "sgd+accum:2", False),
+        "regression": (lambda: _bert("BertForSequenceClassification", num_labels=1),
+                       {"input_ids": ids, "labels": torch.randn(4, generator=g)}, "sgd+accum:2", False),
+        "multi-label": (lambda: _bert("BertForSequenceClassification", num_labels=3,
+                                      problem_type="multi_label_classification"),
+                        {"input_ids": ids, "labels": (torch.rand(4, 3, generator=g) > 0.5).float()}, "sgd+accum:2", False),
+        "question-answering": (lambda: _bert("BertForQuestionAnswering"),
+                               {"input_ids": ids, "start_positions": torch.tensor([1, 2, 3, 0]),
+                                "end_positions": torch.tensor([4, 5, 6, 7])}, "sgd", False),
+        "image-classification": (vit, {"pixel_values": torch.randn(4, 3, 8, 8, generator=g),
+                                       "labels": torch.tensor([0, 2, 1, 1])}, "sgd+accum:2", False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_head_cases()))
+def test_each_head_steps_on_the_models_own_loss(name, monkeypatch):
+    """Each head's step (accum:2 where the targets are named 'labels'; question answering names its own, so accum:1)
+    returns the model's own loss on the whole batch, within 1e-5. Control, where the micro-batches' token counts
+    differ: counting every label position (ignored ones too) as the window's weight misses it."""
+    factory, batch, plan, uneven = _head_cases()[name]
+    make = lambda: (torch.manual_seed(0), factory())[1]  # noqa: E731  (the same weights each time)
+    model = make()
+    with torch.no_grad():
+        want = model(**batch).loss.item()
+    assert Trainer(model, plan, device="cpu").step(dict(batch)) == pytest.approx(want, rel=1e-5)
+    if uneven:
+        monkeypatch.setattr(trainer_module, "count", lambda labels, head, examples=1: labels.numel())
+        old = Trainer(make(), plan, device="cpu").step(dict(batch))
+        assert abs(old / want - 1) > 1e-3, (old, want)
