@@ -154,3 +154,27 @@ def test_estimate_matches_cuda_under_t4_emulation(model, plan):
     assert got["ok"], got["error"]
     print(f"{torch.cuda.get_device_name()} {model} {plan}: estimate {est['peak_bytes']} measured {got['peak_bytes']}")
     assert est["peak_bytes"] == pytest.approx(got["peak_bytes"], rel=0.10)
+
+
+def test_formula_column_counts_each_tensors_optimizer_state():
+    """The textbook column's optimizer state is each trainable tensor's formula (Adafactor: rows + columns per
+    matrix), against torch's own Adafactor after one step on the same model (its state tensors' bytes, less its
+    step counters). Control: one rate for every parameter (what the column charged: 4 B/param) is several times
+    that."""
+    import torch
+
+    from colabkit.estimate.formulas import analytic
+    from colabkit.models import build_model
+
+    model = build_model("gpt:2x64")
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
+                if isinstance(t, torch.Tensor) and k != "step")
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    n = sum(p.numel() for p in model.parameters())
+    a = analytic(gpt_config("gpt:2x64"), "adafactor", 2, 16, n, shapes)
+    assert a["optimizer"] == pytest.approx(state, rel=1e-6)
+    assert analytic(gpt_config("gpt:2x64"), "adafactor", 2, 16, n)["optimizer"] > 5 * state

@@ -13,10 +13,14 @@ from ..techniques.chunked_ce import auto_chunk, logits_bytes
 from ..techniques.optimizers import state_bytes_per_param
 
 
-def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params: int | None = None) -> dict[str, Any]:
+def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params: int | None = None,
+             trainable_shapes: list[tuple[int, ...]] | None = None) -> dict[str, Any]:
     """Bytes per parameter for the plan and activations ~ s*b*h*(34 + 5*a*s/h) per layer
     (Korthikanti et al. 2022, 2-byte activations; x2 in fp32; the 5*a*s/h attention-matrix term is
     gone with a fused SDPA kernel; ``checkpoint`` keeps 2*s*b*h per layer plus one layer recomputed).
+    The optimizer's state per parameter is its formula's for each trainable shape where they are given
+    (Adafactor's factored moments are rows + columns per matrix; the quantized optimizers keep small tensors
+    in fp32), else one rate for every parameter.
 
     >>> a = analytic(gpt_config("gpt2-124m"), "baseline", 1, 1024)
     >>> a["bytes_per_param"]
@@ -27,7 +31,14 @@ def analytic(cfg: Any, plan: Plan | str, batch: int, seq: int, trainable_params:
     n = cfg.n_params if hasattr(cfg, "n_params") else trainable_params or 0
     trainable = trainable_params if trainable_params is not None else n
     try:
-        opt = state_bytes_per_param(plan.optimizer_token) if plan.optimizer in REGISTRY else 8.0
+        if plan.optimizer not in REGISTRY:
+            opt = 8.0
+        elif trainable_shapes:  # each tensor's own rate, averaged over the trainable parameters
+            sizes = [math.prod(sh) for sh in trainable_shapes]
+            opt = sum(k * state_bytes_per_param(plan.optimizer_token, tuple(sh)) for k, sh in zip(sizes, trainable_shapes)) \
+                / max(sum(sizes), 1)
+        else:
+            opt = state_bytes_per_param(plan.optimizer_token)
     except ValueError:  # shape-dependent state (galore): AdamW's 8 B/param as the bound; the trace has the figure
         opt = 8.0
     half = "fp16" in plan or "bf16" in plan

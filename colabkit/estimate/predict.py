@@ -233,7 +233,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     if isinstance(model_fn, str) and (note := preset_vs_hub(model_fn)):
         notes.append(note)
     if cfg is not None and hasattr(cfg, "n_layer"):
-        a = analytic(cfg, plan, batch, seq, t["trainable_params"])
+        a = analytic(cfg, plan, batch, seq, t["trainable_params"], t.get("trainable_shapes"))
         a["error_vs_trace"] = (a["total"] - peak) / peak
         out["analytic"] = a
     return out
