@@ -236,7 +236,9 @@ class NanoGPTish(nn.Module):
 
 
 def _measured_peak(make, batch: dict, plan: str = "baseline") -> int:
-    """MemoryTracker around 2 real colabkit.Trainer steps on the batch (the window estimate predicts)."""
+    """MemoryTracker around 2 real colabkit.Trainer steps on the batch (the window estimate predicts). The batch is
+    made inside the tracked window, as a run holds it on its device (on a GPU it is copied there): built before
+    the tracker it went uncounted, 49 KB of a ViT's 584 KB peak."""
     from colabkit import MemoryTracker
 
     torch.manual_seed(0)
@@ -245,13 +247,13 @@ def _measured_peak(make, batch: dict, plan: str = "baseline") -> int:
         mt.reset_peaks()
         for step in range(2):
             mt.set_step(step)
-            t.step(batch)
+            t.step({k: v.clone() for k, v in batch.items()})
     return mt.report()["peak_bytes"]
 
 
 def test_estimate_takes_your_model_and_a_batch_description():
     """A (logits, loss) model with a 50-token vocabulary, described by a sample batch or by shapes and dtypes,
-    and a conv net on pixel_values: the estimate is within 5% of the measured peak of the same steps."""
+    and a conv net on pixel_values: the estimate is within 1% of the measured peak of the same steps."""
     from colabkit import estimate
 
     sample = {"idx": torch.randint(0, 50, (B, S)), "targets": torch.randint(0, 50, (B, S))}
@@ -260,9 +262,9 @@ def test_estimate_takes_your_model_and_a_batch_description():
     for desc in (sample, shapes):
         r = estimate(NanoGPTish, inputs=desc, device="cpu")
         assert (r["batch"], r["seq"]) == (B, S)
-        assert r["peak_bytes"] == pytest.approx(got, rel=0.05)
+        assert r["peak_bytes"] == pytest.approx(got, rel=0.01)
     r = estimate(ConvNet, inputs=img_batch(), device="cpu")
-    assert r["peak_bytes"] == pytest.approx(_measured_peak(ConvNet, img_batch()), rel=0.05)
+    assert r["peak_bytes"] == pytest.approx(_measured_peak(ConvNet, img_batch()), rel=0.01)
     with pytest.raises(PlanError, match=r"inputs\['idx'\] = 8: describe each batch entry by a sample tensor"):
         estimate(NanoGPTish, inputs={"idx": 8}, device="cpu")
 
@@ -270,7 +272,7 @@ def test_estimate_takes_your_model_and_a_batch_description():
 def test_estimate_takes_a_config_and_training_arguments(tmp_path):
     """A transformers config + TrainingArguments (batch 2 x accumulation 4, gradient checkpointing): the plan
     and batch are read from the arguments, the model built from the config's architecture, and the estimate is
-    within 5% of the measured peak of colabkit.Trainer with that plan on the batch."""
+    within 1% of the measured peak of colabkit.Trainer with that plan on the batch."""
     import transformers
 
     from colabkit import estimate
@@ -283,7 +285,7 @@ def test_estimate_takes_a_config_and_training_arguments(tmp_path):
     one = {k: v[:2] for k, v in cls_batch().items()}  # what the dataloader yields: one micro-batch
     r = estimate(cfg, args=args, inputs=one, device="cpu")
     assert (r["plan"], r["batch"], r["seq"], r["model"]) == ("checkpoint+accum:4", B, S, "BertForSequenceClassification")
-    assert r["peak_bytes"] == pytest.approx(_measured_peak(bert, cls_batch(), "checkpoint+accum:4"), rel=0.05)
+    assert r["peak_bytes"] == pytest.approx(_measured_peak(bert, cls_batch(), "checkpoint+accum:4"), rel=0.01)
     args8 = transformers.TrainingArguments(output_dir=str(tmp_path), optim="adamw_bnb_8bit", report_to=[], use_cpu=True)
     with pytest.raises(PlanError, match="overlap"):
         estimate(cfg, "lion", args=args8, inputs=one, device="cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Any, Callable
 
 import torch
@@ -38,16 +39,24 @@ def fake_batch(inputs: dict[str, Any] | None, batch: int, seq: int) -> Any:
 
 
 def batch_shape(inputs: dict[str, Any]) -> tuple[int, int]:
-    """(batch, seq) of a batch description: the first two dimensions of its first entry (seq 1 if none).
+    """(batch, seq) of a batch description: the batch is the first entry's first dimension; seq the tokens of one
+    example in its token ids (``input_ids``, else the first integer entry with a sequence dimension: a
+    multiple-choice example's choices x length), 1 where there are none (images, audio: the step-time prediction's
+    tokens are then examples).
 
-    >>> batch_shape({"input_ids": ((8, 512), torch.long)})
-    (8, 512)
+    >>> batch_shape({"input_ids": ((8, 512), torch.long)}), batch_shape({"input_ids": ((8, 4, 64), torch.long)})
+    ((8, 512), (8, 256))
+    >>> batch_shape({"pixel_values": ((8, 3, 224, 224), torch.float32), "labels": ((8,), torch.long)})
+    (8, 1)
     """
-    shapes = [described(k, v)[0] for k, v in inputs.items()]
-    if not shapes or not shapes[0]:
+    shapes = {k: described(k, v) for k, v in inputs.items()}
+    first = next(iter(shapes.values()), ((), None))[0]
+    if not first:
         raise PlanError("inputs: describe at least one batch entry with a batch dimension, e.g. "
                         "{'input_ids': ((8, 512), torch.long)}")
-    return shapes[0][0], shapes[0][1] if len(shapes[0]) > 1 else 1
+    ids = shapes.get("input_ids") or next(((s, d) for s, d in shapes.values()
+                                           if len(s) > 1 and not d.is_floating_point and d != torch.bool), None)
+    return first[0], math.prod(ids[0][1:]) if ids is not None else 1
 
 
 def module_factory(module: torch.nn.Module) -> Callable[[], torch.nn.Module]:

@@ -17,12 +17,12 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory import MemoryTracker, host_side, is_host
 from ..models import GPT, blocks_of, build_model, count_params, gpt_config, hf_from_config, hub_config
-from ..plan import REGISTRY, Plan, param_groups
+from ..plan import REGISTRY, Plan, PlanError, param_groups
 from ..techniques import lora as _lora
 from ..trainer import Trainer
 from . import replay as _replay, trace_cache as _disk, zero as _zero
@@ -175,7 +175,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     with FakeTensorMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
         with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
-            trainer = Trainer(_build(model_fn, seq), plan, device="cpu", model_name=name, tracker=tracker)
+            trainer = Trainer(_shape_only(_build(model_fn, seq)), plan, device="cpu", model_name=name, tracker=tracker)
             if _STREAM_BLOCK_GRADS[0]:
                 _stream_block_grads(trainer.model)
             _label_segments(trainer.model, tracker)
@@ -231,6 +231,31 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
             "block_bytes": block_bytes, "counts": counter.result(trainable), "counted_plan": compute_plan(plan),
             **({"at_step": at_step, "recipe": _recipe(trainer)} if base else {})}
+
+
+_VALUES = ("its step holds a tensor whose size depends on the data's values ({op}), which a trace of shapes does "
+           "not have: measure a step of it instead -- colabkit.train(model, data=[batch], plan=..., steps=2)['report'] "
+           "holds its measured peak_bytes and breakdown")
+
+
+def _shape_only(model: torch.nn.Module) -> torch.nn.Module:
+    """Refuse, before tracing, a model whose loss sizes its buffers from the labels' values: transformers' CTC heads
+    (the alignment table is batch x frames x (2 x the longest target + 1), the targets picked by their values)."""
+    if type(model).__name__.endswith("ForCTC"):
+        raise PlanError(f"estimate cannot trace {type(model).__name__}: "
+                        + _VALUES.format(op="the CTC loss's alignment table, sized by the longest target"))
+    return model
+
+
+@contextlib.contextmanager
+def values_needed(name: str):
+    """An op whose output's size depends on tensor values (``nonzero``, ``masked_select``, ...) cannot run on fake
+    tensors: said as colabkit's refusal, with what to do, instead of FakeTensorMode's exception (around the whole
+    trace, after the substitutes -- an optimizer's stand-in -- have had their try)."""
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise PlanError(f"estimate cannot trace {name}: " + _VALUES.format(op=e.func)) from None
 
 
 def _recipe(trainer: Trainer) -> tuple[float, list[tuple[float, list[tuple[tuple[int, ...], torch.dtype]]]]]:
