@@ -17,7 +17,7 @@ import torch
 from .data import TextData
 from .estimate import estimate
 from .memory import CATEGORIES, fmt_bytes
-from .plan import PlanError
+from .plan import PlanError, plain_words
 from .timing import Timing, interleaved
 from .train import measure
 from .trainer import Trainer, _device, load_model
@@ -93,8 +93,8 @@ def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq:
             row.update(predicted_bytes=est["peak_bytes"], verdict=est["verdict"],
                        formula_bytes=int(est["analytic"]["total"]) if "analytic" in est else None,
                        why=formula_gap(est, str(r["plan"])))
-        except (PlanError, ValueError) as e:
-            row["error"] = row["error"] or str(e)
+        except (PlanError, ValueError) as e:  # a refusal shown to a learner: in plain words (no sm75, no emulation)
+            row["error"] = row["error"] or plain_words(str(e))
         rows.append(row)
     return rows
 

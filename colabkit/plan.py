@@ -16,6 +16,7 @@ colabkit.plan.PlanError: 'adamw' appears twice in the plan: keep one
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -26,6 +27,19 @@ Hook = Callable[..., Any]
 
 class PlanError(ValueError):
     """A plan that cannot run as asked; the message says why and what to use instead."""
+
+
+def plain_words(reason: str) -> str:
+    """A plan check's reason in a learner's words: a GPU generation as its compute capability
+    ("sm75" -> "compute capability 7.5"), no mention of colabkit's T4 emulation (the check asks as a T4).
+
+    >>> plain_words("bf16: T4 emulation is on and a T4 (sm75) has no native bf16; use fp16")
+    'bf16: a T4 (compute capability 7.5) has no native bf16; use fp16'
+    >>> plain_words("attention:flash needs sm80+; a T4 (T4 emulation is on) (sm75) has math")
+    'attention:flash needs compute capability 8.0+; a T4 (compute capability 7.5) has math'
+    """
+    reason = reason.replace("T4 emulation is on and a T4", "a T4").replace(" (T4 emulation is on)", "")
+    return re.sub(r"\bsm(\d)(\d)\b", r"compute capability \1.\2", reason)
 
 
 @dataclass

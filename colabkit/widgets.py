@@ -11,25 +11,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .env import GPU_PROFILES, t4_rules
 from .estimate import check_as_gpu
-from .plan import Context, Plan, PlanError, available_tokens, compatible
+from .plan import Context, Plan, PlanError, available_tokens, compatible, plain_words  # noqa: F401 (re-exported)
 
 
 def plan_from_choices(tokens: Sequence[str]) -> str:
     """Join chosen tokens into a plan string ('baseline' when none)."""
     return "+".join(t for t in tokens if t != "baseline") or "baseline"
-
-
-def plain_words(reason: str) -> str:
-    """A plan check's reason in a learner's words: a GPU generation as its compute capability
-    ("sm75" -> "compute capability 7.5"), no mention of colabkit's T4 emulation (the check asks as a T4).
-
-    >>> plain_words("bf16: T4 emulation is on and a T4 (sm75) has no native bf16; use fp16")
-    'bf16: a T4 (compute capability 7.5) has no native bf16; use fp16'
-    >>> plain_words("attention:flash needs sm80+; a T4 (T4 emulation is on) (sm75) has math")
-    'attention:flash needs compute capability 8.0+; a T4 (compute capability 7.5) has math'
-    """
-    reason = reason.replace("T4 emulation is on and a T4", "a T4").replace(" (T4 emulation is on)", "")
-    return re.sub(r"\bsm(\d)(\d)\b", r"compute capability \1.\2", reason)
 
 
 def plan_reason(plan: str, token: str, ctx: Context | None = None, gpu: str | None = None) -> str | None:

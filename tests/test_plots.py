@@ -390,3 +390,24 @@ def test_option_picker_disables_what_the_check_refuses_and_runs_the_choice():
     assert p.choice == {"backend": "attention:efficient", "seq": 256} and not buttons["attention:math"].value
     p.ui.children[4].click()
     assert runs == [("attention:efficient", 256)]
+
+
+def test_side_by_side_says_a_t4_refusal_in_plain_words(monkeypatch):
+    """A bf16 run measured on a GPU with native bf16, predicted for a T4: the row's refusal says "compute capability
+    7.5", not colabkit's internal "T4 emulation is on ... sm75" (what the notebooks' output check flags). Control:
+    the raw plan check's reason does carry those words."""
+    import importlib
+
+    compare = importlib.import_module("colabkit.compare")  # the module (the package exports a function named compare)
+    record = {"plan": "bf16", "ok": True, "peak_bytes": 1, "model": "gpt:2x64", "batch": 2, "seq": 16, "device": "cuda"}
+    raw = "bf16: T4 emulation is on and a T4 (sm75) has no native bf16; use fp16"
+
+    def refuse(*a, **k):
+        raise colabkit.PlanError(raw)
+
+    monkeypatch.setattr(compare, "estimate", refuse)
+    row = colabkit.side_by_side([record], "gpt2-124m", batch=4, seq=256)[0]
+    assert row["error"] == "bf16: a T4 (compute capability 7.5) has no native bf16; use fp16"
+    assert "sm75" not in colabkit.side_by_side_table([row]) and "emulation" not in colabkit.side_by_side_table([row])
+    with pytest.raises(colabkit.PlanError, match="T4 emulation is on"):
+        colabkit.estimate("gpt:2x64", "bf16", batch=2, seq=16, gpu="t4")

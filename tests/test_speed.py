@@ -222,23 +222,32 @@ def test_narrow_matmuls_of_a_lora_step_take_their_predicted_time():
     narrow = counts["narrow_flops"]
     assert narrow and all(min(sh[:3]) <= NARROW and sh[3] == torch.float32 for sh, _ in narrow)
     assert sum(f for (m, k, n, _), f in narrow if m == b * s and n == 8) > 0  # x @ A^T: (B*S, D) @ (D, 8)
-    predicted = sum(f / speed.cpu_narrow_rate(*sh) for sh, f in narrow)
     step = _runner("gpt:2x256", b, s, "lora:8")
     step()
     steps = 3
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            step()
     shapes = {tuple(sh[:3]) for sh, _ in narrow}
-    measured = 0.0
-    for e in prof.key_averages(group_by_input_shape=True):
-        dims = [d for d in e.input_shapes if len(d) == 2]
-        if e.key in ("aten::mm", "aten::addmm") and len(dims) >= 2:
-            a, w = dims[-2], dims[-1]
-            if (a[0], a[1], w[1]) in shapes:
-                measured += e.self_cpu_time_total / 1e6 / steps
-    assert measured > 0
-    assert 0.5 < predicted / measured < 2, (predicted, measured)
+    # The rates (cached per process) are timed again right before the profile, and a second try is taken: both
+    # figures are wall-clock on a machine the rest of the suite loads (once, with helpers running notebooks beside
+    # the suite, the profile took 5x the rates timed minutes earlier). Both tries must fail to fail.
+    tries = []
+    for _ in range(2):
+        speed.cpu_narrow_rate.cache_clear()
+        predicted = sum(f / speed.cpu_narrow_rate(*sh) for sh, f in narrow)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(steps):
+                step()
+        measured = 0.0
+        for e in prof.key_averages(group_by_input_shape=True):
+            dims = [d for d in e.input_shapes if len(d) == 2]
+            if e.key in ("aten::mm", "aten::addmm") and len(dims) >= 2:
+                a, w = dims[-2], dims[-1]
+                if (a[0], a[1], w[1]) in shapes:
+                    measured += e.self_cpu_time_total / 1e6 / steps
+        assert measured > 0
+        tries.append((predicted, measured))
+        if 0.5 < predicted / measured < 2:
+            break
+    assert 0.5 < predicted / measured < 2, tries
     square = sum(f for _, f in narrow) / speed.cpu_throughput()["fp32"]
     assert square < 0.5 * measured, (square, measured)
 
