@@ -64,8 +64,8 @@ def kill_and_resume(model: str, plan: str, steps: int, batch: int, seq: int, see
 
 
 def describe_resume(result: dict[str, Any], reference_sha256: str | None = None) -> str:
-    """One line: killed or not and at which step, where the run resumed, the files left, and (given the
-    uninterrupted run's hash) whether the final weights are identical to it.
+    """One line: killed or not and its newest checkpoint's step then, where the run resumed, the files left, and
+    (given the uninterrupted run's hash) whether the final weights are identical to it.
 
     >>> describe_resume({"killed": True, "killed_at": 10, "resumed_from": "ckpt-00000010.ckpt",
     ...                  "weights_sha256": "ab", "left": ["ckpt-00000020.ckpt"]}, "ab").split("; ")[2]
@@ -73,5 +73,6 @@ def describe_resume(result: dict[str, Any], reference_sha256: str | None = None)
     """
     same = "" if reference_sha256 is None else \
         f"; weights identical to the uninterrupted run: {result['weights_sha256'] == reference_sha256}"
-    return (f"killed (SIGKILL): {result['killed']} at step {result['killed_at']}; resumed from {result['resumed_from']}"
+    return (f"killed (SIGKILL): {result['killed']}, its newest checkpoint then at step {result['killed_at']}; "
+            f"resumed from {result['resumed_from']}"
             f"{same}; files left: {', '.join(result['left'])}")

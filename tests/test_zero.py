@@ -424,3 +424,21 @@ def test_communication_per_step_is_the_zero_papers(monkeypatch):
     assert runs["zero:1"]["comm_bytes"]["broadcast_"] / psi == pytest.approx(1.0, abs=0.01)
     assert per_step == pytest.approx({"zero:1": 3.0, "zero:2": 2.0, "zero:3": 3.0}, abs=0.05), per_step
     assert sum(runs["zero:1"]["comm_setup_bytes"].values()) / psi == pytest.approx(1.0, abs=0.01)
+
+
+def test_qlora_with_a_zero_stage_points_to_what_works():
+    """qlora with zero:3 used to say "use zero:1 or zero:2", which zero's own check refuses with qlora too: the advice
+    led to another refusal. Now it names what works -- qlora on one GPU, lora:R with zero:N -- and those are refused by
+    neither check (only for want of ranks here). Control: zero:1 and zero:2 with qlora are refused, so the old advice
+    was false."""
+    ctx = Context(device=torch.device("cpu"))
+    with pytest.raises(PlanError, match=r"train qlora on one GPU, or lora:R with zero:N") as e:
+        REGISTRY["lora"].check(Plan.parse("qlora:8+zero:3"), ctx)
+    assert "use zero:1 or zero:2" not in str(e.value)
+    for stage in (1, 2, 3):
+        REGISTRY["lora"].check(Plan.parse(f"lora:8+zero:{stage}"), ctx)  # the adapters' check takes it
+        with pytest.raises(PlanError, match="one process per rank"):  # zero's: only the ranks are missing
+            REGISTRY["zero"].check(Plan.parse(f"lora:8+zero:{stage}"), ctx)
+    for stage in (1, 2):
+        with pytest.raises(PlanError, match="4-bit bitsandbytes weights cannot be sharded"):
+            REGISTRY["zero"].check(Plan.parse(f"qlora:8+zero:{stage}"), ctx)

@@ -421,7 +421,8 @@ def _check(plan: Plan, ctx: Context) -> None:
             raise PlanError("qlora and offload:params: the 4-bit base is already ~8x smaller and its packed weights "
                             "are not streamed by offload:params; drop offload:params")
         if plan.get("zero") == 3:
-            raise PlanError("qlora and zero:3: FSDP cannot shard bitsandbytes 4-bit weights; use zero:1 or zero:2")
+            raise PlanError("qlora and zero:3: FSDP2 cannot shard bitsandbytes 4-bit weights (and colabkit shards no "
+                            "4-bit base with zero:1 or zero:2 either); train qlora on one GPU, or lora:R with zero:N")
     if "fused-step" in plan and compute_dtype(ctx, "qlora" in plan) == torch.float16:
         raise PlanError("lora/qlora compute in fp16 on this GPU and need a GradScaler, which must see every gradient "
                         "before any step: 'fused-step' cannot; drop fused-step (adapter gradients are small anyway)")
