@@ -191,6 +191,8 @@ def training_arguments(plan: Plan | str = "baseline", device: str | torch.device
     tf = _transformers()
     plan = _parse(plan)
     dev = torch.device(device or ("cpu" if kwargs.get("use_cpu") else default_device()))
+    if dev.type == "cpu":  # a CPU run (also where no GPU is): transformers checks bf16 against the GPU unless told
+        kwargs.setdefault("use_cpu", True)
     mapped = loop_arguments(plan, dev)  # first: what transformers' Trainer cannot do, then colabkit's own refusals
     plan.check(Context(device=dev, env=env(), offload_sim=offload_sim))  # (bf16 on a T4, paged on a CPU, ...)
     ckpt = _checkpoint_field()

@@ -60,6 +60,18 @@ def test_training_arguments_refuses_what_has_no_faithful_form(plan, match):
             hf.prepare_model(gpt2(), plan, device="cpu")
 
 
+def test_bf16_arguments_on_a_cpu_machine_need_no_use_cpu(tmp_path, monkeypatch):
+    """The refusal of fp16 on a CPU says to use bf16; on a machine without a GPU, training_arguments("bf16") gives
+    arguments for a CPU run (use_cpu=True set, as the device is the CPU) instead of transformers' "Your setup
+    doesn't support bf16/gpu". Control: transformers' own TrainingArguments(bf16=True) without use_cpu raises."""
+    monkeypatch.setattr(hf, "default_device", lambda: torch.device("cpu"))  # as on a machine without a GPU
+    args = hf.training_arguments("bf16", output_dir=str(tmp_path), report_to="none")
+    assert args.bf16 and args.use_cpu
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_cpu"):
+            transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True, report_to="none")
+
+
 def test_training_arguments_refuses_contradicting_keywords():
     with pytest.raises(PlanError, match="gradient_accumulation_steps=2 contradicts"):
         hf.training_arguments("accum:4", output_dir="o", use_cpu=True, gradient_accumulation_steps=2)
