@@ -273,6 +273,11 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
         emb = None
     if not isinstance(emb, torch.nn.Embedding):
         return
+    rows = position_rows(m)
+    if rows is not None and x.shape[-1] > rows:
+        raise PlanError(f"input_ids have length {x.shape[-1]}, and {type(m).__name__} has a learned position table of "
+                        f"{rows} rows: truncate your sequences to {rows} (tokenizer(..., truncation=True, "
+                        f"max_length={rows})), or use a model with a longer context")
     n = emb.num_embeddings
     bad = (x >= n) | (x < 0)
     if bool(bad.any()):  # on the host, before the ids reach the device's kernels
@@ -281,6 +286,26 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
                         f"the model's input embedding has {n} rows. Check that the tokenizer matches the model "
                         "(len(tokenizer) against config.vocab_size); after adding tokens, call "
                         "model.resize_token_embeddings(len(tokenizer))")
+
+
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2 / colabkit's GPT, BERT, BART's
+
+
+def position_rows(model: torch.nn.Module) -> int | None:
+    """Positions a model's learned position table has (GPT-2's ``wpe``, BERT's ``position_embeddings``): a longer
+    sequence indexes past it (a device-side assert on a GPU); None without one (rotary or relative positions: Llama,
+    T5). Looked up once per model.
+
+    >>> from colabkit.models import build_model
+    >>> position_rows(build_model("gpt-tiny")), position_rows(build_model("llama:2x64"))
+    (256, None)
+    """
+    m = unwrap(model)
+    if "_colabkit_positions" not in m.__dict__:
+        tables = [t for name, t in m.named_modules() if isinstance(t, torch.nn.Embedding) and name.endswith(_POSITION_TABLES)]
+        offset = getattr(tables[0], "offset", 0) if tables else 0  # BART's learned table starts 2 rows in
+        m.__dict__["_colabkit_positions"] = tables[0].num_embeddings - offset if tables else None
+    return m.__dict__["_colabkit_positions"]
 
 
 def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
@@ -343,6 +368,7 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         return
     classes = head == "sequence-classification" or type(m).__name__.endswith("ForTokenClassification")  # num_labels
     if n and not y.is_meta and torch._guards.detect_fake_mode((y,)) is None:  # values unknown when estimating
+        y = y[..., 1:] if head == "causal-lm" and not seq2seq else y  # the shift drops the first label: never a target
         bad = (y >= n) | ((y < 0) & (y != IGNORE_INDEX))
         if bool(bad.any()):  # one check per batch, on the host before the labels reach the device's kernels
             v = y[bad]

@@ -68,6 +68,11 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _plain_error(error: str | None) -> str | None:
+    """A refusal shown to a learner: in plain words (no sm75, no emulation), without the exception's class name."""
+    return None if error is None else plain_words(error).removeprefix("PlanError: ")
+
+
 def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq: int,
                  gpu: str = "t4", world_size: int = 1) -> list[dict[str, Any]]:
     """Each measured plan next to what it would be at the real size: the estimator's prediction for
@@ -87,14 +92,14 @@ def side_by_side(records: Sequence[dict[str, Any]], model: str, batch: int, seq:
         row = {"plan": r["plan"], "measured_bytes": r.get("peak_bytes") if r.get("ok") else None,
                "measured_on": f"{r.get('model')}, {r.get('batch')}x{r.get('seq')}, {r.get('device')}",
                "predicted_bytes": None, "formula_bytes": None, "verdict": None,
-               "predicted_for": f"{model}, {batch}x{seq}, {gpu}", "error": r.get("error")}
+               "predicted_for": f"{model}, {batch}x{seq}, {gpu}", "error": _plain_error(r.get("error"))}
         try:
             est = estimate(model, r["plan"], batch=batch, seq=seq, gpu=gpu, world_size=ws)
             row.update(predicted_bytes=est["peak_bytes"], verdict=est["verdict"],
                        formula_bytes=int(est["analytic"]["total"]) if "analytic" in est else None,
                        why=formula_gap(est, str(r["plan"])))
-        except (PlanError, ValueError) as e:  # a refusal shown to a learner: in plain words (no sm75, no emulation)
-            row["error"] = row["error"] or plain_words(str(e))
+        except (PlanError, ValueError) as e:
+            row["error"] = row["error"] or _plain_error(str(e))
         rows.append(row)
     return rows
 

@@ -385,6 +385,7 @@ class MemoryCallback:
         self._go_first()
         if model is not None:  # adapters added on top of the plan's at construction (TRL's peft_config)
             check_adapters(model, dtypes=False)
+            self._watch_batches(model)
         if getattr(args, _checkpoint_field(), False) and model is not None and not any(
                 hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
             raise PlanError(f"the arguments turn checkpointing on, which transformers' Trainer asks of the model "
@@ -406,8 +407,7 @@ class MemoryCallback:
         self.tracker.set_step(self._step)
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        model.register_forward_hook(self._after_forward)]
-        if self.check_batches:
-            self._hooks.append(model.register_forward_pre_hook(self._check_batch, with_kwargs=True))
+        self._watch_batches(model)
         self._verify = model  # the model-side tokens are checked after the first training forward
         getattr(unwrap(model), "_colabkit_ran", {}).clear()
 
@@ -477,6 +477,13 @@ class MemoryCallback:
     def _before_forward(self, module, args):
         self._switch("forward" if module.training else "eval")
 
+    def _watch_batches(self, model: torch.nn.Module) -> None:
+        """The batch check on ``model`` from the Trainer's construction on, for as long as the model lives: also
+        ``trainer.evaluate()`` and ``predict()`` after ``train()`` (the measurement's hooks end with the run)."""
+        if self.check_batches and not getattr(model, "_colabkit_batch_check", False):
+            model.register_forward_pre_hook(self._check_batch, with_kwargs=True)
+            model._colabkit_batch_check = True
+
     def _check_batch(self, module, args, kwargs):
         """Each batch's token ids and labels checked before the forward (:func:`colabkit.batches.check_call`): on a
         GPU an id past the embedding's or the head's rows is a device-side assert, after which the session's CUDA
@@ -484,7 +491,7 @@ class MemoryCallback:
         try:
             check_call(module, args, kwargs)
         except PlanError:
-            self.close()  # the tracker's dispatch mode and hooks end with the run
+            self.close()  # the tracker's dispatch mode and hooks end with the run (nothing to end outside one)
             raise
 
     def _after_forward(self, module, args, output):

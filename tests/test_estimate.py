@@ -178,3 +178,24 @@ def test_formula_column_counts_each_tensors_optimizer_state():
     a = analytic(gpt_config("gpt:2x64"), "adafactor", 2, 16, n, shapes)
     assert a["optimizer"] == pytest.approx(state, rel=1e-6)
     assert analytic(gpt_config("gpt:2x64"), "adafactor", 2, 16, n)["optimizer"] > 5 * state
+
+
+def test_adafactor_state_formula_factors_the_last_two_dimensions():
+    """torch's Adafactor keeps, for a tensor of 3 or more dimensions, a row and a column for each trailing matrix
+    (a conv kernel (16, 3, 3, 3): 16*3*3 rows and 16*3*3 columns): the formula equals its state for such shapes as
+    for matrices and vectors. Control: rows + columns of the tensor flattened to 2-D (the formula before) is short."""
+    import math
+
+    import torch
+
+    from colabkit.techniques.optimizers import optimizer_state_bytes
+
+    for shape in ((4, 8, 16), (16, 3, 3, 3), (64, 32), (10,)):
+        p = torch.nn.Parameter(torch.randn(shape))
+        p.grad = torch.randn(shape)
+        opt = torch.optim.Adafactor([p])
+        opt.step()
+        real = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
+        assert optimizer_state_bytes([p], "adafactor") == real, shape
+        if len(shape) > 2:
+            assert 4 * (math.prod(shape[:-1]) + shape[-1]) < real, shape

@@ -178,3 +178,48 @@ def test_each_head_steps_on_the_models_own_loss(name, monkeypatch):
         monkeypatch.setattr(trainer_module, "count", lambda labels, head, examples=1: labels.numel())
         old = Trainer(make(), plan, device="cpu").step(dict(batch))
         assert abs(old / want - 1) > 1e-3, (old, want)
+
+
+def test_a_batch_longer_than_a_learned_position_table_is_refused():
+    """Your batches keep their length, so one longer than a learned position table (GPT-2's wpe, BERT's) gets
+    colabkit's error naming the truncation; a model with rotary positions (Llama) has no such table and trains on
+    it. Control: without the check, torch's own IndexError (a device-side assert on a GPU)."""
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0)
+    x = torch.randint(0, V, (2, 40))
+    with pytest.raises(PlanError, match=r"length 40, and GPT2LMHeadModel has a learned position table of 16 rows: "
+                                        r"truncate your sequences to 16"):
+        Trainer(transformers.GPT2LMHeadModel(cfg), "sgd", device="cpu").step({"input_ids": x, "labels": x})
+    llama = colabkit.build_model("llama:2x64")
+    assert batches.position_rows(llama) is None
+    llama.config.max_position_embeddings = 32
+    y = torch.randint(0, 256, (1, 48))  # past max_position_embeddings: rotary positions go on
+    assert Trainer(llama, "sgd", device="cpu").step({"input_ids": y, "labels": y}) > 0
+    with pytest.raises(IndexError, match="index out of range"):
+        transformers.GPT2LMHeadModel(cfg)(input_ids=x)
+
+
+def test_a_causal_lms_first_label_is_never_a_target():
+    """transformers shifts a causal LM's labels: the first one is never a target, so an id past the vocabulary there
+    trains to the same loss as -100 (it was refused). Control: the same id one position later is refused."""
+    model = colabkit.build_model("llama:2x64")
+    x = torch.randint(0, 256, (2, 8))
+    y = x.clone()
+    y[:, 0] = 300
+    with torch.no_grad():
+        want = model(input_ids=x, labels=torch.where(y >= 256, -100, y)).loss.item()
+    assert Trainer(model, "sgd", device="cpu").step({"input_ids": x, "labels": y}) == pytest.approx(want, rel=1e-6)
+    y[:, 1] = 300
+    with pytest.raises(PlanError, match=r"labels hold 2 ids outside \[0, 256\)"):
+        Trainer(model, "sgd", device="cpu").step({"input_ids": x, "labels": y})
+
+
+def test_estimate_says_to_describe_a_batch_it_did_not_guess():
+    """estimate without inputs= feeds (batch, seq) token ids with labels alike: a multiple-choice model refuses those
+    labels, and the message says they are estimate's default batch and how to describe yours, which then works."""
+    model = transformers.BertForMultipleChoice(transformers.BertConfig(**BERT))
+    with pytest.raises(PlanError, match=r"labels of estimate's default batch .* describe your batch with inputs="):
+        colabkit.estimate(model, batch=4, seq=16, device="cpu", gpu=None)
+    r = colabkit.estimate(model, inputs={"input_ids": ((4, 4, 16), torch.long), "labels": ((4,), torch.long)},
+                          device="cpu", gpu=None)
+    assert (r["batch"], r["seq"]) == (4, 64) and r["peak_bytes"] > 0

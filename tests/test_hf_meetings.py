@@ -228,3 +228,22 @@ def test_a_tokenizer_larger_than_the_model_is_stopped_under_trl(tmp_path):
         sft(True, "on")
     with pytest.raises(IndexError, match="index out of range"):
         sft(False, "off")
+
+
+def test_evaluate_after_train_is_checked_too(data, tmp_path):
+    """The batch check lives as long as the model, not the measured run: trainer.evaluate() after train() on a batch
+    with an id past the vocabulary gets colabkit's error (it reached torch's: the callback's hooks ended with the
+    run). Control: a callback with check_batches=False leaves torch's IndexError."""
+    rows = [{k: v.clone() for k, v in r.items()} for r in data["hf"][:4]]
+    for r in rows:
+        r["input_ids"][3] = 300
+    for check, err, match in ((True, PlanError, "input_ids hold"), (False, IndexError, "index out of range")):
+        args = hf.training_arguments("baseline", output_dir=str(tmp_path / str(check)), per_device_train_batch_size=B,
+                                     per_device_eval_batch_size=B, max_steps=1, report_to="none", save_strategy="no",
+                                     disable_tqdm=True, use_cpu=True)
+        cb = hf.MemoryCallback(live_plot=False, print_table=False, check_batches=check)
+        trainer = transformers.Trainer(model=build_model("llama:2x128"), args=args, train_dataset=data["hf"],
+                                       callbacks=[cb])
+        trainer.train()
+        with pytest.raises(err, match=match):
+            trainer.evaluate(rows)

@@ -411,3 +411,13 @@ def test_side_by_side_says_a_t4_refusal_in_plain_words(monkeypatch):
     assert "sm75" not in colabkit.side_by_side_table([row]) and "emulation" not in colabkit.side_by_side_table([row])
     with pytest.raises(colabkit.PlanError, match="T4 emulation is on"):
         colabkit.estimate("gpt:2x64", "bf16", batch=2, seq=16, gpu="t4")
+
+
+def test_side_by_side_says_a_measured_refusal_in_plain_words():
+    """A record whose own run was refused (measured under T4 rules) carries the check's raw words; its row says them
+    plainly, without the exception's class name. Control: the raw record does carry 'sm75' and 'PlanError: '."""
+    raw = "PlanError: bf16: T4 emulation is on and a T4 (sm75) has no native bf16; use fp16"
+    record = {"plan": "baseline", "ok": False, "error": raw, "model": "gpt:2x64", "batch": 2, "seq": 16, "device": "cpu"}
+    row = colabkit.side_by_side([record], "gpt:2x64", batch=2, seq=16)[0]
+    assert row["error"] == "bf16: a T4 (compute capability 7.5) has no native bf16; use fp16"
+    assert "sm75" in raw and raw.startswith("PlanError: ")

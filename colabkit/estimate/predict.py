@@ -32,7 +32,7 @@ from .speed import count_flops, speed_of
 from .as_gpu import _as_t4, _profile, _split_gpu_tokens, check_as_gpu
 from .inputs import batch_shape, described, module_factory
 from .substitutes import bitsandbytes_steps, own_8bit_scratch, steps_own_8bit_kernel, trace_with_substitutes
-from .trace import CUDA_ALLOC_ROUND, block_grads_to_host, values_needed
+from .trace import CUDA_ALLOC_ROUND, _gpt_of, block_grads_to_host, values_needed
 
 
 def from_config(config: Any) -> Callable[[], torch.nn.Module]:
@@ -154,7 +154,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         streamed = "params" in offload  # offload:params: block gradients leave for the host in the trace
         half = zero in (2, 3) and ("fp16" in plan or "bf16" in plan)  # FSDP2 gathers 16-bit parameters
         name = getattr(model_fn, "__name__", "the model")
-        with block_grads_to_host(streamed), gathered_in_half(half), values_needed(name):
+        own = inputs is None and not isinstance(model_fn, str) and _gpt_of(model_fn, seq) is None  # your model
+        with block_grads_to_host(streamed), gathered_in_half(half), values_needed(name, default_batch=own):
             t = trace_with_substitutes(model_fn, traced_plan, batch, seq, steps,
                                        CUDA_ALLOC_ROUND if profile else 1, notes, profile, inputs, run_plan=plan)
         counts = count_flops(model_fn, plan, batch, seq, t["trainable_params"], notes, t)  # plan: offload is bytes moved

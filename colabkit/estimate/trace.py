@@ -248,14 +248,21 @@ def _shape_only(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def values_needed(name: str):
+def values_needed(name: str, default_batch: bool = False):
     """An op whose output's size depends on tensor values (``nonzero``, ``masked_select``, ...) cannot run on fake
     tensors: said as colabkit's refusal, with what to do, instead of FakeTensorMode's exception (around the whole
-    trace, after the substitutes -- an optimizer's stand-in -- have had their try)."""
+    trace, after the substitutes -- an optimizer's stand-in -- have had their try). ``default_batch``: the trace
+    fed colabkit's (batch, seq) token ids to your model, so a refusal of its labels says to describe your batch."""
     try:
         yield
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise PlanError(f"estimate cannot trace {name}: " + _VALUES.format(op=e.func)) from None
+    except PlanError as e:
+        if not default_batch or "labels" not in str(e):
+            raise
+        raise PlanError(f"{e} -- these are the labels of estimate's default batch ((batch, seq) token ids, labels "
+                        "alike), not yours: describe your batch with inputs=, e.g. inputs={'input_ids': ((4, 4, 16), "
+                        "torch.long), 'labels': ((4,), torch.long)} for 4 examples of 4 choices") from None
 
 
 def _recipe(trainer: Trainer) -> tuple[float, list[tuple[float, list[tuple[tuple[int, ...], torch.dtype]]]]]:

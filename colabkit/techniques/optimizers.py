@@ -68,9 +68,9 @@ def state_bytes_per_param(token: str, shape: tuple[int, ...] | None = None) -> f
     if name == "lion8bit":
         return 4.0 if small else 1 + 4 / BNB_BLOCK
     if name == "adafactor":
-        if shape is not None and len(shape) >= 2:
-            rows, cols = math.prod(shape[:-1]), shape[-1]
-            return 4 * (rows + cols) / (rows * cols)
+        if shape is not None and len(shape) >= 2:  # torch's factored moments: a row and a column per trailing matrix
+            lead = math.prod(shape[:-2])  # (a conv's (out, in, kh, kw): out*in*kh rows, out*in*kw columns)
+            return 4 * lead * (shape[-2] + shape[-1]) / math.prod(shape)
         return 4.0
     if name == "sgd":
         return 4.0 if arg and float(arg) > 0 else 0.0
