@@ -308,6 +308,11 @@ def position_rows(model: torch.nn.Module) -> int | None:
     return m.__dict__["_colabkit_positions"]
 
 
+def multiple_choice(model: torch.nn.Module) -> bool:
+    """A transformers ``...ForMultipleChoice`` model: an example's ids are (choices, seq), its label a choice's index."""
+    return type(unwrap(model)).__name__.endswith("ForMultipleChoice")
+
+
 def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
     """Refuse labels that cannot be ``head``'s targets before the forward, naming the expected shape and
     dtype (torch's own errors come later and say less: "Expected input batch_size (32) to match target
@@ -333,7 +338,7 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
     if lm_like:  # float labels shaped like input_ids on a model that is not a classifier: token ids as floats
         head = "causal-lm"
     n = n_classes(model, head)
-    choices = type(m).__name__.endswith("ForMultipleChoice")
+    choices = multiple_choice(m)
     if choices:  # labels index the choices, dim 1 of the inputs (B, choices, S); config.num_labels is not used
         n = int(x.shape[1]) if x is not None and x.ndim >= 2 else None
     ids = f"class ids in [0, {n})" if n else "class ids"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data import TextData
-from .batches import unwrap
+from .batches import multiple_choice
 from .feed import TextFeed, feed
 from .determinism import deterministic as deterministic_mode, seed_all
 from .alerts import HOST_LIMIT_BYTES, MemoryAlerts
@@ -209,7 +209,7 @@ def train(model: torch.nn.Module | ModelFn | str, data: Any = None, plan: Plan |
     check_device(device)
     if isinstance(model, str):
         check_context(model, seq)
-    choices = isinstance(model, torch.nn.Module) and type(unwrap(model)).__name__.endswith("ForMultipleChoice")
+    choices = isinstance(model, torch.nn.Module) and multiple_choice(model)
     source = feed(data, batch, seq, seed, _device(device), eval_every, 2 if choices else 1)  # from (seed, step) only
     check_run(source.size, seq, steps, plan, on_oom)  # a batch dict's own size
     _say_ready_batches(data, source, batch)

@@ -261,8 +261,8 @@ def values_needed(name: str, default_batch: bool = False):
         if not default_batch or "labels" not in str(e):
             raise
         raise PlanError(f"{e} -- these are the labels of estimate's default batch ((batch, seq) token ids, labels "
-                        "alike), not yours: describe your batch with inputs=, e.g. inputs={'input_ids': ((4, 4, 16), "
-                        "torch.long), 'labels': ((4,), torch.long)} for 4 examples of 4 choices") from None
+                        "alike), not yours: describe your batch with inputs=, e.g. inputs={'input_ids': ((8, 128), "
+                        "torch.long), 'labels': ((8,), torch.long)} (multiple choice: input_ids (8, choices, 128))") from None
 
 
 def _recipe(trainer: Trainer) -> tuple[float, list[tuple[float, list[tuple[tuple[int, ...], torch.dtype]]]]]:
