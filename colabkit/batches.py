@@ -49,6 +49,7 @@ _SUFFIXES = {
     # "ctc" averages over examples (ctc_loss_reduction="mean"), "ctc-sum" adds them (the default, "sum")
     "ctc": ("ForCTC",),
 }
+_NAMED_HEADS = tuple(suffix for suffixes in _SUFFIXES.values() for suffix in suffixes)  # a class that names its head
 LossFn = Callable[[Any, "torch.Tensor | None", torch.Tensor], torch.Tensor]
 
 
@@ -398,7 +399,7 @@ def check_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """
     b = Batch(tuple(args), {k: v for k, v in kwargs.items() if k != "labels"}, kwargs.get("labels"))
     check_ids(model, b)
-    if isinstance(b.labels, torch.Tensor) and type(unwrap(model)).__name__.endswith(sum(_SUFFIXES.values(), ())):
+    if isinstance(b.labels, torch.Tensor) and type(unwrap(model)).__name__.endswith(_NAMED_HEADS):
         check_labels(model, b, head_of(model, b))
 
 

@@ -351,9 +351,10 @@ class MemoryCallback:
     notebook the live plot (:class:`colabkit.LivePlot`) is redrawn in place; every training log gets
     ``memory/*`` scalars (the callback moves itself first among the Trainer's callbacks, so the reporters
     -- TensorBoard, W&B, ... -- see them); at the end it prints the tracker's table. ``report()`` gives
-    the tracker's report, ``tracker`` the tracker itself. Each training batch's token ids and labels are checked
-    before the forward (``check_batches``: :func:`colabkit.batches.check_call`), as colabkit's own loop does. A run that raises leaves the tracker on until
-    the next ``train()`` or :meth:`close`.
+    the tracker's report, ``tracker`` the tracker itself. A run that raises leaves the tracker on until the
+    next ``train()`` or :meth:`close`. Each batch's token ids and labels are checked before the forward, as
+    colabkit's own loop checks them (``check_batches``: :func:`colabkit.batches.check_call`), also in
+    ``evaluate()`` after ``train()``.
 
     >>> trainer = transformers.Trainer(model, args, train_dataset=ds, callbacks=[MemoryCallback()])  # doctest: +SKIP
     """
