@@ -1,4 +1,4 @@
-"""The tracker's hooks into torch besides its dispatch mode: the CUDA caching allocator's counters
+"""The tracker's hooks into torch: its dispatch mode (:class:`_Mode`), the CUDA caching allocator's counters
 (:class:`CudaStats`), the wrapper of ``UntypedStorage.resize_`` that tells active trackers about storages
 freed or re-allocated in place (FSDP2 does this; no aten op is dispatched), the aten ops the dispatch
 mode watches for in-place resizes, and the tensors among an op's arguments.
@@ -13,7 +13,11 @@ import threading
 from typing import Any, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .device import _HOST, _HOST_SCOPE, _PLAIN, _storages
 
 
 class CudaStats:
@@ -101,3 +105,66 @@ def _tensors_of(args: tuple, kwargs: dict | None) -> Iterator[torch.Tensor]:
                     yield b
                 elif isinstance(b, (tuple, list, dict)):  # not an aten schema; be safe
                     yield from (x for x in tree_flatten(b)[0] if isinstance(x, torch.Tensor))
+
+
+def _see(self, func, types, args=(), kwargs=None):
+    """:class:`_Mode`'s dispatch: run the op, hand its new storages of the tracked device to the tracker."""
+    out = func(*args, **(kwargs or {}))
+    tr, plain = self.tracker, self.plain
+    if type(out) in plain:  # most ops: one plain tensor
+        st = out.untyped_storage()
+        if id(st) in tr._ids:
+            if func is _ATEN_RESIZE:  # may have grown (or shrunk) the storage in place
+                tr._resized(st)
+            return out
+        outs = (out,)
+    elif isinstance(out, (tuple, list)) and all(type(o) in plain or o is None for o in out):
+        outs = out
+    else:
+        if _STORAGE_RESIZE is not None and func in (_STORAGE_RESIZE.default,):  # returns nothing
+            for st in _storages(args[0]):
+                tr._resized(st)
+        outs = tree_flatten(out)[0]
+    inputs = None
+    host = getattr(_HOST_SCOPE, "on", False)
+    ids = tr._ids
+    for t in outs:
+        if isinstance(t, torch.Tensor) and (tr._on_device(t) or (host and t.device.type == "cpu")):
+            for st in ((t.untyped_storage(),) if type(t) in plain else _storages(t)):
+                if id(st) in ids:
+                    continue
+                if inputs is None:  # views and in-place results share an input's storage
+                    inputs = {id(s) for a in _tensors_of(args, kwargs)
+                              for s in ((a.untyped_storage(),) if type(a) in plain else _storages(a))}
+                if id(st) not in inputs:
+                    if host:
+                        _HOST.add(st)
+                    tr._add(st, func.__name__)
+    return out
+
+
+class _Mode(TorchDispatchMode):
+    """Sees every op; hands new storages of the tracked device to the tracker. The hot path (an op whose
+    outputs are storages the tracker knows: views, in-place ops) allocates nothing in Python: one dict
+    lookup per output tensor, keyed by the storage's id."""
+
+    plain = _PLAIN  # tensor types with one storage of their own (no wrapper subclass to look inside)
+
+    def __init__(self, tracker: "MemoryTracker"):
+        super().__init__()
+        self.tracker = tracker
+
+    __torch_dispatch__ = _see  # (torch wraps it in its guard against torch.compile tracing into it)
+
+
+class _EagerMode(_Mode):
+    """:class:`_Mode` without torch's guard against torch.compile tracing into its dispatch (a Python frame
+    switch, ~5 µs an op): for the estimator's fake traces, where nothing is compiled."""
+
+    plain = (*_PLAIN, FakeTensor)  # a fake tensor holds its meta storage itself (not a wrapper subclass)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    __torch_dispatch__ = _see

@@ -112,6 +112,10 @@ class Traffic(TorchDispatchMode):
         self.flops, self.ops, self.bytes = 0, 0, 0
         self.by_size: dict[int, int] = {}
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # only in traces and replays, where nothing is compiled: no guard
+        return False                       # frame (~5 µs) around each op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and hasattr(args[0], "fake_device"):
             # a fake tensor's .device (autograd asks for every gradient: more calls than all kernels together):

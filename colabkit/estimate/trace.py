@@ -30,6 +30,7 @@ from .as_gpu import _attention_as, check_as_gpu  # noqa: F401 (check_as_gpu: its
 from .counting import compute_plan, counting
 from .depth import DEPTHS, _affine, _depth_key, _label_segments, _label_step
 from .inputs import fake_batch
+from .quickfake import QuickFakeMode
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
 # kMinBlockSize), so on a GPU profile every storage is rounded up to 512 B.
@@ -109,6 +110,10 @@ class _HostScalars(TorchDispatchMode):
         super().__init__()
         self.flags: set[int] = set()  # storages written as found_inf by the GradScaler's unscale
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # nothing is compiled in a trace: no guard frame around each op
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and hasattr(args[0], "fake_device"):
             # a fake tensor's .device (autograd asks for every gradient: most ops of a trace): answered here,
@@ -143,6 +148,20 @@ def _swap_by_data():
         tu.swap_tensors = real
 
 
+def _import_first(plan: Plan, model_fn: Any) -> None:
+    """Import, before the fake mode, the libraries the plan or the model loads on first use: a module imported
+    inside a trace would keep the fake tensors it makes at import for good (peft's LoHa has a ``torch.tensor(1)``
+    default argument) and the trace would count them."""
+    toks = plan.tokens
+    names = (["transformers"] if isinstance(model_fn, str) and model_fn.startswith(("hf:", "llama:")) else []) + \
+        (["transformers", "peft"] if any(t.startswith(("lora", "qlora")) for t in toks) else [])
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # (the plan's own check says what to install)
+            pass
+
+
 def _build(model_fn: Callable[[], torch.nn.Module] | str, seq: int) -> torch.nn.Module:
     # (torch.nn.init is left alone: swapping its initialisers for no-ops while a model is built -- ~12% fewer
     # fake ops, no measurable time -- let transformers, first imported inside, keep the no-ops for good)
@@ -172,8 +191,10 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     plan = Plan.parse(plan)
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     notes = [] if notes is None else notes
-    with FakeTensorMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
-        tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round)
+    _import_first(plan, model_fn)
+    with QuickFakeMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
+        tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round,
+                                guard_compile=False)
         with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
             trainer = Trainer(_shape_only(_build(model_fn, seq)), plan, device="cpu", model_name=name, tracker=tracker)
             if _STREAM_BLOCK_GRADS[0]:
