@@ -154,3 +154,23 @@ def test_a_library_first_imported_by_a_trace_keeps_no_fake_tensor():
                          env={**os.environ, "COLABKIT_TRACE_CACHE": "off"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "Tensor"
+
+
+@pytest.mark.parametrize("token", ["adamw", "sgd:0.9", "adafactor", "adamw8bit", "adamw4bit"])
+def test_optimizer_replay_profiles_equal_fake_tensor_mode(token, monkeypatch):
+    """The optimizer's step profiled on QuickFakeMode's fake parameters (estimate.replay) gives the profile
+    FakeTensorMode gives: state bytes, scratch at each local peak, kernels counted."""
+    replay = importlib.import_module("colabkit.estimate.replay")
+    shapes = [(0.1, [((256, 128), torch.float32), ((1024, 128), torch.float32)]), (0.0, [((384,), torch.float32)])]
+    call = [(0, [0, 1]), (1, [0])]
+
+    def profile():
+        monkeypatch.setattr(replay, "_PROFILES", {})
+        monkeypatch.setattr(replay, "_MADE", {})
+        opt = replay.optimizer_for(Plan.parse(token), 3e-4, shapes)
+        assert opt is not None, token
+        return replay.call_profile(opt, call, whole=True)
+    got = profile()
+    monkeypatch.setattr(replay, "QuickFakeMode", FakeTensorMode)
+    assert got == profile()
+    assert got.state_bytes > 0 or token.startswith("sgd")

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from ..memory import _storages, tensors_in
 from ..techniques.optimizers import AdamW4bit, AdamW8bit
 from .counting import Traffic, add_replayed
+from .quickfake import QuickFakeMode
 
 # Optimizers whose step updates each parameter from its own gradient and state, one after another, with
 # nothing shared between parameters (torch's single-tensor paths: the default for CPU tensors).
@@ -161,7 +162,7 @@ def profile(opt: torch.optim.Optimizer, alloc_round: int = 1, assume_grads: bool
     # CPU and CUDA tensors, not on meta ones, where the slower path's scratch would be recorded) and by
     # fakeness (a blockwise AdamW runs one chunk of each tensor on fake tensors, all of them on meta ones).
     with _disable_current_modes():
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = QuickFakeMode(allow_non_fake_inputs=True)
         twins = []
         with fake:
             for g, (_, params) in zip(groups, sig):
