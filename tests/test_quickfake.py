@@ -44,9 +44,11 @@ class _Record(TorchDispatchMode):
         return out
 
 
-def _step_ops(mode_cls, autocast: bool = True, recorder: list | None = None) -> list:
+def _step_ops(mode_cls, autocast: bool = True, recorder: list | None = None, warm: bool = False) -> list:
     """Each op of two training steps of a small GPT (fp16 autocast on the CPU, a checkpointed block), as _Record
-    sees it above ``mode_cls``."""
+    sees it above ``mode_cls``; with the process's memo of op outputs emptied first unless ``warm``."""
+    if not warm:
+        quickfake._MEMO.clear()
     torch.manual_seed(0)
     rec = _Record()
     with mode_cls(allow_non_fake_inputs=True) as mode, rec:
@@ -78,6 +80,7 @@ def test_each_op_of_a_step_matches_fake_tensor_mode():
     got = _step_ops(QuickFakeMode)
     assert len(ref) > 300
     assert got == ref
+    assert _step_ops(QuickFakeMode, warm=True) == ref  # answered from the memo the first run filled
 
 
 def test_most_ops_take_a_short_path():
@@ -174,3 +177,11 @@ def test_optimizer_replay_profiles_equal_fake_tensor_mode(token, monkeypatch):
     monkeypatch.setattr(replay, "QuickFakeMode", FakeTensorMode)
     assert got == profile()
     assert got.state_bytes > 0 or token.startswith("sgd")
+
+
+def test_without_the_internals_it_is_fake_tensor_mode(monkeypatch):
+    """Another torch without one of the internals the short paths call: every op goes through FakeTensorMode."""
+    monkeypatch.setattr(quickfake, "_INTERNALS", False)
+    modes: list = []
+    assert _step_ops(QuickFakeMode, recorder=modes) == _step_ops(FakeTensorMode)
+    assert modes[0].served[:2] == [0, 0]

@@ -43,6 +43,14 @@ _FILLS = frozenset((torch.ops.aten.uniform_.default, torch.ops.aten.normal_.defa
                     torch.ops.aten.zero_.default))
 
 
+# what the short paths call of FakeTensorMode's internals (torch 2.13): with another torch that lacks one, every op
+# takes FakeTensorMode's own path
+_INTERNALS = all(hasattr(c, n) for c, n in (
+    (FakeTensor, "_find_common_device"), (FakeTensorMode, "wrap_meta_outputs_with_default_device_logic"),
+    (FakeTensorMode, "is_our_fake"), (FakeTensorMode, "cpp_meta_supports_symint"), (FakeTensorMode, "lift_fns"),
+    (fake_impls, "op_implementations_checks"), (fake_impls, "has_meta")))
+
+
 def _plain(mode: FakeTensorMode, func: Any) -> bool:
     """Whether ``FakeTensorMode._dispatch_impl`` (torch 2.13) runs ``func`` as its meta kernel on the fake inputs
     and wraps the outputs, once its inputs are its own non-constant fake tensors: no other branch applies."""
@@ -85,10 +93,14 @@ class QuickFakeMode(FakeTensorMode):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._kind: dict[Any, int] = {}  # op -> _FRESH | _PLAIN bits (0: FakeTensorMode's own path)
-        self._memo: dict[tuple, Any] = {}  # (op, arguments' key) -> outputs' metadata
+        # op -> _FRESH | _PLAIN | _CAST bits (0: FakeTensorMode's own path); (op, arguments' key) -> outputs'
+        # metadata: both facts about torch's ops, shared by every trace of the process (a new sequence length
+        # still finds the weights' casts, their gradients' shapes, the optimizer's ops)
+        self._kind, self._memo = _KINDS, _MEMO
+        if len(_MEMO) > MEMO_SIZE:
+            _MEMO.clear()
         self.served = [0, 0, 0]  # ops answered by the memo, by their meta kernel directly, by FakeTensorMode
-        self._quick = (getattr(torch._dynamo.config, "_custom_ops_profile", None) is None
+        self._quick = (_INTERNALS and getattr(torch._dynamo.config, "_custom_ops_profile", None) is None
                        and not getattr(self, "propagate_real_tensors", False))
 
     @classmethod
@@ -102,6 +114,9 @@ class QuickFakeMode(FakeTensorMode):
 
     def dispatch(self, func, types, args=(), kwargs=None):  # noqa: D102 (FakeTensorMode's)
         kwargs = kwargs or {}
+        if not self._quick:
+            self.served[2] += func is not _DEVICE
+            return super().dispatch(func, types, args, kwargs)
         if func in _FILLS:
             t = args[0]
             if type(t) is FakeTensor and t.fake_mode is self and t.constant is None and t.is_floating_point() \
@@ -214,6 +229,9 @@ class _NoKey(Exception):
     pass
 
 
+_KINDS: dict[Any, int] = {}
+_MEMO: dict[tuple, Any] = {}
+MEMO_SIZE = 50_000  # entries (~300 bytes each; a trace adds ~1,000): cleared when a new mode finds it fuller
 _FRESH, _PLAIN = 1, 2
 # a dtype cast (autocast's ~200 a GPT-2 step): FakeTensorMode runs torch's Python decomposition of _to_copy
 # (prims.convert_element_type: the input's strides); its C++ meta kernel gives the same outputs directly (the
