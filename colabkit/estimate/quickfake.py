@@ -231,7 +231,7 @@ class _NoKey(Exception):
 
 _KINDS: dict[Any, int] = {}
 _MEMO: dict[tuple, Any] = {}
-MEMO_SIZE = 50_000  # entries (~300 bytes each; a trace adds ~1,000): cleared when a new mode finds it fuller
+MEMO_SIZE = 50_000  # entries (~300 bytes each; a new question adds ~100-250): cleared when a mode finds it fuller
 _FRESH, _PLAIN = 1, 2
 # a dtype cast (autocast's ~200 a GPT-2 step): FakeTensorMode runs torch's Python decomposition of _to_copy
 # (prims.convert_element_type: the input's strides); its C++ meta kernel gives the same outputs directly (the
