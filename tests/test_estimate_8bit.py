@@ -270,3 +270,13 @@ def test_offload_optimizer_host_bytes_hold_the_8bit_kernels_scratch(monkeypatch)
     monkeypatch.setattr(importlib.import_module("colabkit.estimate.predict"), "own_8bit_scratch", lambda shapes: 0)
     est = estimate("gpt:4x128:v4096", "adamw8bit+offload:optimizer", gpu="t4", calibration=False, **kw)
     assert est["host_bytes"] < 0.85 * got["host_bytes"]
+
+
+def test_paged_adamw8bit_is_estimated_on_a_gpu_profile():
+    """paged-adamw8bit's compute plan names adamw8bit, and its step is counted as SGD plus the state: the counted
+    plan once had two "sgd" tokens and every GPU estimate of it was refused ("'sgd' appears twice"). Its state is
+    adamw8bit's (paging moves it, a GPU run pages it only under pressure)."""
+    import colabkit
+    paged = colabkit.estimate("gpt:2x64", "paged-adamw8bit", batch=2, seq=16, gpu="t4")
+    plain = colabkit.estimate("gpt:2x64", "adamw8bit", batch=2, seq=16, gpu="t4")
+    assert paged["breakdown"]["optimizer"] == plain["breakdown"]["optimizer"] > 0

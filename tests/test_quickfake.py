@@ -142,7 +142,12 @@ def test_traces_equal_fake_tensor_mode_to_the_byte(model, plan, gpu, monkeypatch
     monkeypatch.setattr(trace_mod, "_CACHE", type(trace_mod._CACHE)())
     got = _report(model, plan, gpu)
     monkeypatch.setattr(trace_mod, "_CACHE", type(trace_mod._CACHE)())
-    monkeypatch.setattr(trace_mod, "QuickFakeMode", FakeTensorMode)
+    for where in ("trace", "replay", "speed"):  # every estimator trace on the reference
+        mod = importlib.import_module(f"colabkit.estimate.{where}")
+        monkeypatch.setattr(mod, "QuickFakeMode", FakeTensorMode)
+        if where == "replay":
+            monkeypatch.setattr(mod, "_PROFILES", {})
+            monkeypatch.setattr(mod, "_MADE", {})
     assert got == _report(model, plan, gpu)
 
 
@@ -185,3 +190,48 @@ def test_without_the_internals_it_is_fake_tensor_mode(monkeypatch):
     modes: list = []
     assert _step_ops(QuickFakeMode, recorder=modes) == _step_ops(FakeTensorMode)
     assert modes[0].served[:2] == [0, 0]
+
+
+def test_the_memo_keys_the_default_dtype():
+    """A factory without ``dtype=`` (nn.Linear's weight) and ``int / 2`` make the default dtype: a model built
+    under bf16 (``_from_config(cfg, dtype=torch.bfloat16)``) after an fp32 question must not get fp32 tensors from
+    the memo (found by a review: a bf16-then-fp32 order halved the fp32 estimate)."""
+    def ops(mode_cls):
+        rec = _Record()
+        with mode_cls() as mode, rec:
+            for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                prev = torch.get_default_dtype()
+                torch.set_default_dtype(dtype)
+                try:
+                    torch.nn.Linear(8, 6)
+                    torch.ones(3, 3, dtype=torch.int64) / 2
+                finally:
+                    torch.set_default_dtype(prev)
+        return rec.rows
+    quickfake._MEMO.clear()
+    assert ops(QuickFakeMode) == ops(FakeTensorMode)
+
+
+def test_trunc_normal_init_does_not_hang_a_trace():
+    """torch's trunc_normal_ redraws while any value is out of bounds; a trace answers .item() with 1, so a module
+    initialised with it (transformers' ViT, timm) looped for ever. In a subprocess with a time limit: estimated
+    like the same module initialised with normal_ (the init writes no bytes)."""
+    code = """
+import torch, colabkit
+class M(torch.nn.Module):
+    def __init__(self, trunc):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        (torch.nn.init.trunc_normal_ if trunc else torch.nn.init.normal_)(self.lin.weight, std=0.02)
+    def forward(self, x):
+        return self.lin(x).square().mean()
+inputs = {"x": torch.randn(4, 32)}
+a = colabkit.estimate(lambda: M(True), "baseline", gpu=None, inputs=inputs, batch=4)["peak_bytes"]
+b = colabkit.estimate(lambda: M(False), "baseline", gpu=None, inputs=inputs, batch=4)["peak_bytes"]
+print(a, b)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLABKIT_TRACE_CACHE": "off"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    a, b = map(int, out.stdout.split()[-2:])
+    assert a == b > 0

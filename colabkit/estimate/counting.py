@@ -94,10 +94,13 @@ def sgd_plan(compute: str, optimizer_token: str) -> str:
 
     >>> sgd_plan("fp16+adamw8bit", "adamw8bit"), sgd_plan("checkpoint", "adamw")
     ('fp16+sgd', 'checkpoint+sgd')
+    >>> sgd_plan("fp16+adamw8bit", "paged-adamw8bit")
+    'fp16+sgd'
     """
     toks = Plan.parse(compute).tokens
-    return str(Plan.parse([("sgd" if REGISTRY[t.partition(":")[0]].group == "optimizer" else t) for t in toks]
-                          + ([] if optimizer_token in compute else ["sgd"])))
+    opt = [REGISTRY[t.partition(":")[0]].group == "optimizer" for t in toks]
+    # (compute_plan names paged-adamw8bit's compute "adamw8bit": the optimizer is found by its group, not its name)
+    return str(Plan.parse([("sgd" if o else t) for t, o in zip(toks, opt)] + ([] if any(opt) else ["sgd"])))
 
 
 class Traffic(TorchDispatchMode):

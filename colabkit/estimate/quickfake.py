@@ -194,11 +194,12 @@ class QuickFakeMode(FakeTensorMode):
         return seen
 
     def _key(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
-        """What a new-tensor op's outputs depend on: its fake inputs' metadata and its other arguments (with their
-        types: ``full(s, 1)`` is int64, ``full(s, 1.0)`` float32); None when an input is not this mode's plain
-        fake tensor (a real tensor, a constant) or an argument cannot be a key."""
-        try:
-            return (func, tuple(self._arg(a) for a in args), tuple((k, self._arg(v)) for k, v in kwargs.items()))
+        """What a new-tensor op's outputs depend on: its fake inputs' metadata, its other arguments (with their
+        types: ``full(s, 1)`` is int64, ``full(s, 1.0)`` float32) and the default dtype; None when an input is not
+        this mode's plain fake tensor (a real tensor, a constant) or an argument cannot be a key."""
+        try:  # (the default dtype too: what a factory without dtype=, or int / 2, makes)
+            return (func, tuple(self._arg(a) for a in args), tuple((k, self._arg(v)) for k, v in kwargs.items()),
+                    torch.get_default_dtype())
         except _NoKey:
             return None
 

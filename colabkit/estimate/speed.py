@@ -29,7 +29,8 @@ from ..timing import interleaved, ratio, time_fn
 from ..trainer import Trainer
 from .counting import Traffic, affine, compute_plan, counting, sgd_plan, split_flops
 from .quickfake import QuickFakeMode
-from .trace import DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, deep_model
+from .trace import (DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, _valueless_inits,
+                    deep_model)
 
 # Datasheet peaks (dense) x the fraction a training step reaches; sources per line. The fraction is the
 # main uncertainty (UNCERTAINTY): real models run smaller matmuls and elementwise kernels the count omits.
@@ -99,7 +100,7 @@ def _counted(key: Any, model_fn: Callable | str, plan: str, batch: int, seq: int
 
 
 def _count(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple:
-    with QuickFakeMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data():
+    with QuickFakeMode(allow_non_fake_inputs=True), _HostScalars(), _swap_by_data(), _valueless_inits():
         trainer = Trainer(_build(model_fn, seq), Plan.parse(plan), device="cpu")
         x = torch.randint(0, 256, (batch, seq))  # (B, S) ids: only shapes matter
         trainer.step(x, x)  # the first step also creates the optimizer's state: a later step is what repeats

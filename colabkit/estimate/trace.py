@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory import MemoryTracker, host_side, is_host
@@ -127,6 +127,28 @@ class _HostScalars(TorchDispatchMode):
 
 
 @contextlib.contextmanager
+def _valueless_inits():
+    """``torch.nn.init.trunc_normal_`` redraws until no value falls outside [a, b] (``while mask.any()``); on fake
+    tensors, whose ``.item()`` a trace answers with 1, that loop would never end (a ViT's or any module's
+    initialisation calling it). During a trace its sampler leaves a fake tensor as it is -- a trace has no values
+    -- and hands a real one to torch's. Patched at the sampler torch's ``trunc_normal_`` calls, which also serves
+    the copies of ``trunc_normal_`` that libraries keep (transformers' ``TORCH_INIT_FUNCTIONS``)."""
+    init = torch.nn.init
+    real = getattr(init, "_no_grad_trunc_normal_", None)
+    if real is None:  # another torch: its own
+        yield
+        return
+
+    def sample(tensor, *args, **kwargs):
+        return tensor if isinstance(tensor, FakeTensor) else real(tensor, *args, **kwargs)
+    init._no_grad_trunc_normal_ = sample
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = real
+
+
+@contextlib.contextmanager
 def _swap_by_data():
     """``Module.to()`` swaps fake parameters with ``torch.utils.swap_tensors``, which refuses tensors that
     fake mode holds weak references to; during a trace fall back to replacing ``.data`` (the new tensor
@@ -192,7 +214,8 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
     name = model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom")
     notes = [] if notes is None else notes
     _import_first(plan, model_fn)
-    with QuickFakeMode(allow_non_fake_inputs=True), _swap_by_data(), _attention_as(profile, plan, notes):
+    with QuickFakeMode(allow_non_fake_inputs=True), _swap_by_data(), _valueless_inits(), \
+            _attention_as(profile, plan, notes):
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round,
                                 guard_compile=False)
         with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
