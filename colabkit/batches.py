@@ -355,6 +355,12 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         want = f"{what} needs labels of shape {shape} {where} and dtype torch.long: {ids}, -100 to ignore"
         if y.dtype != torch.long or not ok:
             raise PlanError(f"{got}; {want}")
+        if seq2seq and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(b.kwargs) \
+                and getattr(m.config, "decoder_start_token_id", None) is None:  # transformers' raw AttributeError
+            raise PlanError(f"{type(m).__name__} makes its decoder's inputs by shifting the labels right after "
+                            "config.decoder_start_token_id, which this config does not set (a config built by hand; "
+                            "transformers 5 keeps it in generation_config): set model.config.decoder_start_token_id "
+                            "(T5's is its pad id, 0), or pass decoder_input_ids")
     elif choices:
         want = (f"this multiple-choice head needs labels of shape ({b.size},) and dtype torch.long: the right choice's "
                 f"index, in [0, {n or 'choices'}) (dim 1 of inputs shaped (batch, choices, seq))")

@@ -223,3 +223,19 @@ def test_estimate_says_to_describe_a_batch_it_did_not_guess():
     r = colabkit.estimate(model, inputs={"input_ids": ((4, 4, 16), torch.long), "labels": ((4,), torch.long)},
                           device="cpu", gpu=None)
     assert (r["batch"], r["seq"]) == (4, 64) and r["peak_bytes"] > 0
+
+
+def test_a_seq2seq_config_without_a_decoder_start_token_is_refused_with_what_to_set():
+    """A T5 config built by hand in transformers 5 has no decoder_start_token_id (it lives in generation_config):
+    with labels and no decoder_input_ids the model's own shift raises a bare AttributeError. colabkit's loop says
+    what to set; with it set, the same batch trains. Control: the model called directly raises the raw error."""
+    make = lambda start: transformers.T5ForConditionalGeneration(transformers.T5Config(  # noqa: E731
+        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+        pad_token_id=0, **({} if start is None else {"decoder_start_token_id": start})))
+    batch = {"input_ids": torch.randint(0, V, (2, 8)), "labels": torch.randint(1, V, (2, 6))}
+    with pytest.raises(AttributeError, match="decoder_start_token_id"):
+        make(None)(**batch)
+    kw = dict(steps=1, batch=2, device="cpu", progress=False, track=False, plan="sgd")
+    with pytest.raises(PlanError, match=r"set model.config.decoder_start_token_id"):
+        colabkit.train(lambda: make(None), data=[batch], **kw)
+    assert colabkit.train(lambda: make(0), data=[batch], **kw)["losses"][0] > 0
