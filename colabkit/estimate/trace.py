@@ -2,7 +2,8 @@
 
 :func:`trace` builds the model and runs ``steps`` optimizer steps of :class:`~colabkit.trainer.Trainer`
 under ``FakeTensorMode`` (:class:`~.quickfake.QuickFakeMode`: torch's, with short paths for the common ops) with a
-:class:`~colabkit.memory.MemoryTracker` inside, so a 20B model is traced on a laptop CPU and every technique that is plain torch is covered without a special case.
+:class:`~colabkit.memory.MemoryTracker` inside, so a 20B model is traced on a laptop CPU and every technique
+that is plain torch is covered without a special case.
 :func:`~.substitutes.trace_with_substitutes` replaces what cannot run on fake tensors (bitsandbytes kernels) by
 the technique's own theory and says so in ``notes``.
 """
