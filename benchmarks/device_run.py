@@ -7,10 +7,11 @@ plans, two selftest checks) and labels its files "dry-run, cpu". Phases, each a 
 limit so that a crash or a hang in one still leaves the others' results:
 
 1. ``python -m colabkit selftest --json``: every check, real on CUDA (``"simulated": false``);
-2. ``benchmarks/run.py --device cuda --t4`` on gpt2-124m, batch 8 x seq 512: every token of its default list
+2. ``python -m colabkit calibrate`` (GPU only): this GPU's profile, stored for the next phase's predictions;
+3. ``benchmarks/run.py --device cuda --t4`` on gpt2-124m, batch 8 x seq 512: every token of its default list
    alone and the usual combinations (refusals shown as refusals), measured peak allocated and reserved, step
    time, loss after N steps against the baseline, the estimator's T4 prediction beside each;
-3. (in the same records) the predicted step time with the profile of the GPU present against the measured one.
+4. (in the same records) the predicted step time with the profile of the GPU present against the measured one.
    A T4's step time cannot be measured here: T4 emulation caps memory and refuses bf16 and flash attention,
    so memory figures transfer to a T4, times do not.
 
@@ -35,7 +36,7 @@ WALL_S = 220  # this script; with the wheels' install (~15 s) the command stays 
 # the tokens issue 35 needs measured at least once go first, so that a spent time budget leaves out the others
 FIRST = ["baseline", "fp16", "checkpoint", "paged-adamw8bit", "adamw4bit", "fused-step", "offload:optimizer",
          "offload:activations", "offload:params", "offload:disk", "compress:int8", "attention:efficient", "chunked-ce",
-         "lora:8", "qlora:8", "adamw8bit", "bf16", "attention:flash"]
+         "lora:8", "qlora:8", "adamw8bit", "bf16", "fp16+attention:flash"]
 FULL = {"model": "gpt2-124m", "batch": 8, "seq": 512, "steps": 3, "plans": "FIRST then run.PLANS", "checks": None,
         "size": "full"}
 DRY = {"model": "gpt-tiny", "batch": 2, "seq": 16, "steps": 2, "size": "smoke",
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--selftest-s", type=float, default=None, help="the selftest's limit (default: a third of it)")
     p.add_argument("--plan", action="append", default=None, help="run.py's plans (default: its whole list)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--check", action="append", default=None, help="selftest checks to run (default: every one)")
     args = p.parse_args(argv)
     cfg = dict(DRY if args.dry_run else FULL)
     if cfg["plans"] == FULL["plans"]:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg["plans"] = FIRST + [p for p in PLANS if p not in FIRST]
     cfg["plans"] = args.plan or cfg["plans"]
+    cfg["checks"] = args.check or cfg["checks"]
     cfg["steps"] = args.steps or cfg["steps"]
     limit = args.wall_s or WALL_S
     import torch
@@ -180,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [py, "-m", "colabkit", "selftest", "--device", dev, "--size", cfg["size"], "--out", tmp,
                "--json", os.path.join(tmp, "selftest-cli.json")]
         for c in cfg["checks"] or []:
-            cmd += ["--check", c]
+            cmd.append(f"--check={c}")  # one word: a check named like an option (--deterministic) stays a value
         phases["selftest"] = _phase("selftest", cmd, args.selftest_s or limit / 3, log)
+        if not args.dry_run:  # this GPU's profile (context, slack, the host's line: speed.fit_host), stored where
+            # run.py's estimates and step-time predictions read it; a CPU has nothing to calibrate
+            phases["calibrate"] = _phase("calibrate", [py, "-m", "colabkit", "calibrate"], limit / 6, log)
         left = limit - (time.perf_counter() - t0)
         cmd = [py, os.path.join("benchmarks", "run.py"), "--device", dev, "--model", cfg["model"], "--batch",
                str(cfg["batch"]), "--seq", str(cfg["seq"]), "--steps", str(cfg["steps"]),

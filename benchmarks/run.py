@@ -32,7 +32,8 @@ PLANS = [
     "adamw8bit", "paged-adamw8bit", "adamw4bit", "lion", "lion8bit", "adafactor", "adam-mini", "galore:32", "sgd",
     "fused-step", "offload:disk", "chunked-ce",
     "offload:optimizer", "offload:activations", "offload:params", "lora:8", "qlora:8",
-    "bf16", "attention:flash",  # refused where the GPU has neither (a T4, or T4 emulation): shown as refusals
+    "bf16", "fp16+attention:flash",  # refused where the GPU has neither (a T4, or T4 emulation): shown as refusals
+    # (flash has fp16/bf16 kernels only: alone, in fp32, it is refused on any GPU)
     "fp16+checkpoint", "checkpoint+adamw8bit", "fp16+checkpoint+adamw8bit",
     "checkpoint+adamw4bit+fused-step", "qlora:8+checkpoint", "fp16+checkpoint+chunked-ce",
 ]

@@ -10,6 +10,7 @@ guard around :class:`~colabkit.trainer.Trainer` steps; :func:`measure` returns o
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Any, Callable, Iterable
 
@@ -370,6 +371,7 @@ def measure(
     dev = _device(device)
     record["device"] = str(dev)
     data = data or TextData()
+    gc.collect()  # an earlier run's cycles still holding device memory would count in this run's CUDA peak
     tracker = MemoryTracker(device=dev, on_sample=on_sample)
     det = deterministic_mode(deterministic)
     det.__enter__()
@@ -420,6 +422,10 @@ def measure(
             record["error"] = f"out of memory: {e}".splitlines()[0]
     finally:
         det.__exit__(None, None, None)
+        # this run's tensors go now, not at some later collection: the next run's CUDA peak
+        # (max_memory_allocated) counts whatever is still allocated
+        model = trainer = tracker = x = y = None
+        gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return record

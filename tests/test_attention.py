@@ -7,6 +7,8 @@ import torch
 
 from colabkit import PlanError, TextData, Trainer, build_model, emulate_t4, measure, sdpa_backends
 from colabkit.techniques.attention import random_qkv, attention_memory, attention_run, quadratic_fit
+from colabkit.plan import Context, Plan
+from colabkit.techniques import attention as attention_mod
 from tests.conftest import requires_cuda
 
 
@@ -37,9 +39,23 @@ def test_attention_math_plan_equals_plain_training():
 @pytest.mark.parametrize("token", ["attention:flash", "attention:efficient"])
 def test_cpu_refuses_what_it_cannot_force(token):
     with pytest.raises(PlanError, match="only attention:math can be forced"):
-        Trainer(build_model("gpt-tiny"), token, device="cpu")
+        Trainer(build_model("gpt-tiny"), "fp16+" + token, device="cpu")
     with pytest.raises(PlanError, match="only attention:math"):
         attention_memory(token.split(":")[1], seqs=(64,), device="cpu")
+
+
+def test_flash_needs_half_precision_on_any_device(monkeypatch):
+    """On an H200 (2026-11-27) attention:flash in fp32 failed in its first forward ('No available kernel'):
+    its kernels take fp16/bf16 only. Refused before anything runs, on any device, with what to add."""
+    with pytest.raises(PlanError, match="fp16 and bf16 only.*'fp16\\+attention:flash'"):
+        Trainer(build_model("gpt-tiny"), "attention:flash", device="cpu")
+    # where the GPU has flash (an sm80+ card's facts), a half-precision plan passes the check
+    monkeypatch.setattr(attention_mod, "sdpa_backends", lambda dev: ["math", "efficient", "flash"])
+    ctx = Context(device=torch.device("cuda"))
+    for plan in ("fp16+attention:flash", "bf16+attention:flash"):
+        attention_mod._check(Plan.parse(plan), ctx)
+    with pytest.raises(PlanError, match="fp16 and bf16 only"):
+        attention_mod._check(Plan.parse("checkpoint+attention:flash"), ctx)
 
 
 @pytest.mark.parametrize("token", ["attention", "attention:fast"])
@@ -103,7 +119,7 @@ def test_t4_emulation_refuses_flash_recommends_efficient():
     try:
         emulate_t4(True)
         with pytest.raises(PlanError, match="use attention:efficient"):
-            Trainer(build_model("gpt-tiny"), "attention:flash", device="cuda")
+            Trainer(build_model("gpt-tiny"), "fp16+attention:flash", device="cuda")
         Trainer(build_model("gpt-tiny"), "attention:efficient", device="cuda")
     finally:
         emulate_t4(False)

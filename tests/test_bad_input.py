@@ -67,7 +67,7 @@ def test_flash_attention_on_t4(monkeypatch):
 
 def test_flash_attention_on_cpu():
     with pytest.raises(PlanError, match="attention:flash: on the CPU only attention:math can be forced"):
-        _train(plan="attention:flash")
+        _train(plan="fp16+attention:flash")
 
 
 def test_unknown_token():

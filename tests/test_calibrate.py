@@ -90,3 +90,50 @@ def ov_profile(m):
     from colabkit.env import profile_for
 
     return profile_for(m["gpu"])
+
+
+def test_host_terms_are_fitted_stored_and_enter_the_step_time(recorded, tmp_path, monkeypatch):
+    """A launch-bound step's time is a line in its kernels (found on an H200, 2026-11-27: gpt:4x256's 160-kernel
+    step took 11 ms against 1.4 ms predicted with an assumed 5 us a launch). The calibrated profile carries the
+    line; later predictions on that GPU add its two terms, and uncalibrated ones do not."""
+    import importlib
+
+    from colabkit import predict_step_time
+
+    speed_mod = importlib.import_module("colabkit.estimate.speed")
+    host = [{"model": "gpt:1x32", "batch": 1, "seq": 16, "kernels": 67, "step_s": 4.0e-3},
+            {"model": "gpt:3x32", "batch": 1, "seq": 16, "kernels": 129, "step_s": 6.0e-3}]
+    p = fit(dict(recorded, host=host))
+    launch = 2.0e-3 / 62
+    assert p["speed"]["launch_s"] == pytest.approx(launch, rel=1e-6)
+    assert p["speed"]["step_overhead_s"] == pytest.approx(4.0e-3 - 67 * launch, rel=1e-6)
+    monkeypatch.setenv(ov.PROFILE_ENV, str(tmp_path))
+    before = predict_step_time("gpt:2x64", "baseline", 2, 32, gpu="t4")
+    calibrate(dict(recorded, host=host), store=True)
+    after = predict_step_time("gpt:2x64", "baseline", 2, 32, gpu="t4")
+    kernels = after["terms"]["launches"] / p["speed"]["launch_s"]
+    assert "step_overhead" not in before["terms"] and after["terms"]["step_overhead"] == pytest.approx(
+        p["speed"]["step_overhead_s"])
+    assert kernels == pytest.approx(before["terms"]["launches"] / 5e-6)  # the same kernels, the measured cost each
+    assert after["step_time_s"] > before["step_time_s"]
+    assert "step_overhead" not in fit(recorded).get("speed", {})  # no host measurement: no host terms
+    # the host's AdamW rate, measured in calibration, replaces the assumed Colab host's in offload:optimizer's step
+    slow = predict_step_time("gpt:2x64", "offload:optimizer", 2, 32, gpu="t4")["terms"]["host_update"]
+    calibrate(dict(recorded, host=host, host_update_bytes_per_s=4 * speed_mod.HOST_BYTES_PER_S), store=True)
+    fast = predict_step_time("gpt:2x64", "offload:optimizer", 2, 32, gpu="t4")["terms"]["host_update"]
+    assert fast == pytest.approx(slow / 4)
+
+
+def test_host_measurement_twin_predicts_a_third_step_on_this_cpu():
+    """The GPU's host measurement run on this CPU (its twin): the line through the two tiny models predicts
+    a third launch-bound step, out of the fitted points and timed in the same interleaved rounds, within a
+    factor of two on a shared machine."""
+    import importlib
+
+    speed = importlib.import_module("colabkit.estimate.speed")
+    *pts, third = speed.measure_host("cpu", models=speed.HOST_MODELS + (("gpt:5x32", 1, 16),))
+    assert [p["model"] for p in pts] == [m for m, _, _ in speed.HOST_MODELS]
+    assert pts[0]["kernels"] < pts[1]["kernels"] < third["kernels"] and all(p["step_s"] > 0 for p in pts)
+    line = speed.fit_host(pts)
+    pred = line["step_overhead_s"] + third["kernels"] * line["launch_s"]
+    assert 0.5 < third["step_s"] / pred < 2.0, (third, pred, line)

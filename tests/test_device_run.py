@@ -91,7 +91,9 @@ def test_default_plans_hold_every_token_the_issue_names():
 def test_device_run_dry_run(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COLABKIT_SMOKE")}
-    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), str(out), "--dry-run"],
+    # a check named like an option (as a rerun of the failed checks names them) reaches the selftest as a value
+    checks = ["--check=--deterministic", "--check", "peak vs estimate: baseline"]
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), str(out), "--dry-run", *checks],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     stem = f"dry-run-cpu-{datetime.datetime.now(datetime.timezone.utc).date().isoformat()}"
@@ -99,7 +101,8 @@ def test_device_run_dry_run(tmp_path):
     data = json.loads((out / f"{stem}.json").read_text())
     assert data["env"]["label"] == "dry-run, cpu" and {"gpu", "driver", "torch", "cuda", "date"} <= set(data["env"])
     assert data["selftest"]["simulated"] is True and data["selftest"]["ok"]
-    assert [c["status"] for c in data["selftest"]["checks"]] == ["pass", "pass"]
+    assert [(c["name"], c["status"]) for c in data["selftest"]["checks"]] == [
+        ("--deterministic", "pass"), ("peak vs estimate: baseline", "pass")]
     plans = {r["plan"]: r for r in data["bench"]["results"]}
     assert plans["baseline"]["ok"] and not plans["offload:optimizer"]["ok"]
     assert "| `offload:optimizer` | refused:" in (out / f"{stem}.md").read_text()
@@ -148,6 +151,12 @@ def test_notebook_records_from_an_executed_copy():
     assert device_notebooks._last_error(nb) == "cell 3 (0: the inserted one): AssertionError: the loss should fall"
     nb.cells = nb.cells[2:3]  # the negative control: one image, no error
     assert device_notebooks.problems(nb) == [] and device_notebooks._last_error(nb) is None
+    # the runner's own first cell says "T4 emulation" (jargon in a notebook's output): not the notebook's finding
+    said = [nbformat.v4.new_output("stream", name="stdout", text="device run: H200 with T4 emulation\n")]
+    nb.cells = [nbformat.v4.new_code_cell("print()", outputs=said)]
+    assert device_notebooks.problems(nb)  # untagged: flagged
+    nb.cells[0].metadata["tags"] = [device_notebooks.INSERTED_TAG]
+    assert device_notebooks.problems(nb) == []
 
 
 @pytest.mark.slow  # fast twin: test_notebook_records_from_an_executed_copy

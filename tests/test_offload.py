@@ -144,6 +144,41 @@ def test_activation_offload_is_exact():
         assert torch.equal(r, p.grad)
 
 
+class _SavesHostScalar(torch.autograd.Function):
+    """y = x * s with s a host scalar saved for backward: what SDPA's fused kernels do on CUDA (their random
+    seed and offset are CPU tensors)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * s, None
+
+
+def test_activation_offload_leaves_host_tensors_in_place():
+    """CUDA refuses record_stream on a CPU tensor; the twin refuses it on a host-tagged one (H200, 2026-11-27:
+    offload:activations crashed on the first attention layer)."""
+    pair = dev.DevicePair("cpu")
+    s = dev.mark_host(torch.tensor(3.0))
+    x = torch.randn(4, requires_grad=True)
+    with offload_activations.activation_offload(pair):
+        y = _SavesHostScalar.apply(x, s)
+    assert pair.stats()["copies"] == 1  # x went out to a pinned block; s stayed where it was
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 3.0))
+
+
+def test_twin_refuses_record_stream_on_a_host_tensor():
+    """The rule the test above relies on (negative control): lending host memory to a stream is an error."""
+    pair = dev.DevicePair("cpu")
+    with pytest.raises(dev.TwinError, match="record_stream on a host tensor"):
+        pair.lend(dev.mark_host(torch.tensor(3.0)))
+
+
 def _trained(steps=2):
     torch.manual_seed(0)
     m = build_model("gpt:2x64", seq=32)

@@ -305,3 +305,23 @@ def test_the_offload_checks_widen_the_race_windows(monkeypatch):
     assert rows[0]["status"] == "pass" and len(pairs) == 1 and pairs[0].stats()["copies"] > 0  # the pair that copied
     pairs.clear()
     assert st.run_checks([st.CHECKS["offload:disk"]], "cpu", st.SIZES["smoke"])[0]["status"] == "pass" and pairs == []
+
+
+def test_update_tolerance_follows_the_measured_noise_floor(monkeypatch):
+    """The same step computed in another order (each batch's rows reversed) moves Adam's update by the
+    device's rounding noise: tiny on a CPU, 1-3e-2 on an H200 (2026-11-27), where math against fused
+    attention, chunked cross-entropy and deterministic algorithms all failed a CPU-sized tolerance. A check
+    allows FLOOR_FACTOR times that floor, never less than UPDATE_TOL."""
+    cpu, size = torch.device("cpu"), st.SIZES["smoke"]
+    monkeypatch.setattr(checks, "_FLOORS", {})
+    ref = checks._trained("baseline", cpu, size)
+    rev = checks._trained("baseline", cpu, size, reversed_rows=True)
+    assert checks.loss_diff(rev, ref) <= checks.LOSS_TOL  # the same mathematics: the same losses
+    floor = checks.noise_floor("baseline", cpu, size, ref)
+    assert floor == checks.update_diff(rev, ref) and floor < checks.UPDATE_TOL  # on a CPU: below the constant
+    assert checks.update_tol("baseline", cpu, size, ref) == (checks.UPDATE_TOL, floor)
+    (key,) = checks._FLOORS
+    checks._FLOORS[key] = 1e-2  # a floor as the H200 showed: the tolerance follows it
+    assert checks.update_tol("baseline", cpu, size, ref) == (checks.FLOOR_FACTOR * 1e-2, 1e-2)
+    # negative control: without reversal the "floor" would be zero (the run repeats itself bit for bit)
+    assert checks.update_diff(checks._trained("baseline", cpu, size), ref) == 0.0

@@ -130,6 +130,12 @@ class DevicePair:
             self.lend(t)
         return hosts
 
+    def on_compute(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on the compute side (device memory, which may be lent to a stream). A CUDA model
+        also holds host tensors: SDPA's fused kernels save their random seed and offset as CPU scalars. In
+        the twin every tensor is on the CPU, and the host side is what is tagged so."""
+        return t.device.type == self.compute.type if self.cuda else not is_host(t)
+
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` on the current stream, non-blocking."""
         self.rt.copy_(dst, src)

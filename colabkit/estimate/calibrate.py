@@ -30,6 +30,7 @@ from ..memory import fmt_bytes
 from ..train import measure
 from . import overheads as _overheads
 from .predict import estimate
+from .speed import fit_host, measure_host, measure_host_update
 
 # Three small real steps: the baseline, a half-precision plan with recomputation, a larger batch.
 CASES = [("gpt2-124m", "baseline", 1, 256), ("gpt2-124m", "fp16+checkpoint", 2, 256), ("gpt-small", "baseline", 4, 256)]
@@ -86,6 +87,8 @@ def measure_device(cases=CASES) -> dict[str, Any]:
         steps.append({"model": model, "plan": plan, "batch": batch, "seq": seq,
                       "allocated_peak": int(r["peak_bytes"]), "reserved_peak": int(r["peak_reserved_bytes"])})
     last = _read_device()
+    host = measure_host("cuda")  # after the memory figures: its tiny models add nothing to them
+    host_update = measure_host_update()  # offload:optimizer's step runs on this host's CPU
     name = torch.cuda.get_device_name()
     return {"gpu": name, "capability": list(torch.cuda.get_device_capability()),
             "capacity_bytes": int(torch.cuda.get_device_properties(0).total_memory),
@@ -93,7 +96,7 @@ def measure_device(cases=CASES) -> dict[str, Any]:
             "date": datetime.date.today().isoformat(),
             "context_bare_bytes": first["total"] - first["free"] - first["reserved"],
             "context_bytes": last["total"] - last["free"] - last["reserved"],
-            "libraries": ["torch", "cublas"], "steps": steps,
+            "libraries": ["torch", "cublas"], "steps": steps, "host": host, "host_update_bytes_per_s": host_update,
             "note": "measured by colabkit calibrate; context = mem_get_info's used minus memory_reserved "
                     "(other processes on the GPU would count too)"}
 
@@ -108,10 +111,15 @@ def fit(m: dict[str, Any]) -> dict[str, Any]:
     spread = (max(ratios) - min(ratios)) if len(ratios) > 1 else frag / 2
     ctx = int(m["context_bytes"])
     ctx_u = max(16 * 2**20, ctx // 10)
-    return {"gpu": m["gpu"], "date": m["date"], "torch": m.get("torch"), "capacity_bytes": int(m["capacity_bytes"]),
+    prof = {"gpu": m["gpu"], "date": m["date"], "torch": m.get("torch"), "capacity_bytes": int(m["capacity_bytes"]),
             "context_bytes": ctx, "context_uncertainty": int(ctx_u), "libraries": list(m["libraries"]),
             "fragmentation": frag, "fragmentation_uncertainty": round(max(0.01, spread), 4),
             "source": m.get("note", "")}
+    if m.get("host"):  # the step time's host terms (speed.fit_host), which the datasheet cannot give
+        prof["speed"] = fit_host(m["host"])
+    if m.get("host_update_bytes_per_s"):
+        prof.setdefault("speed", {})["host_bytes_per_s"] = float(m["host_update_bytes_per_s"])
+    return prof
 
 
 def compare(m: dict[str, Any], key: str, calibration: dict | bool) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from ..models import GPT2_VOCAB, GPTConfig, gpt_config
 from ..oom import register_suggester
 from ..plan import REGISTRY, Context, Plan, PlanError
 from .predict import estimate
+from .speed import HOST_BYTES_PER_S
 from .as_gpu import _as_t4, check_as_gpu
 from .trace import gpt_builder
 
@@ -36,7 +37,6 @@ COST = {
     "fp16": -0.40,        # T4 tensor cores: 65 vs 8.1 TFLOPS peak; ~1.5-2x in practice [Micikevicius 2018]
 }
 PCIE_BYTES_PER_S = 12e9   # T4: PCIe 3.0 x16, 15.75 GB/s theoretical, ~12 GB/s pinned copies
-HOST_BYTES_PER_S = 5e9    # assumed: a 2-vCPU Colab host streaming AdamW's 32 B/param (read + write)
 T4_FLOPS = {"fp32": 8.1e12 * 0.5, "fp16": 65e12 * 0.25}  # peak x assumed utilisation
 
 

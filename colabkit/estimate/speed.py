@@ -22,11 +22,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..data import TextData
+from ..models import build_model
 from ..plan import Plan
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import interleaved, ratio, time_fn
 from ..trainer import Trainer
+from . import overheads
 from .counting import Traffic, affine, compute_plan, counting, sgd_plan, split_flops
 from .quickfake import QuickFakeMode
 from .trace import (DEPTHS, NO_FAKE_OPTIMIZERS, _build, _gpt_of, _HostScalars, _swap_by_data, _valueless_inits,
@@ -66,7 +69,10 @@ ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4,
               # (assumed for the other GPUs too; HBM parts reach somewhat more)
               "mem_bw": 0.7}
 UNCERTAINTY = 0.3  # +-30%: the achievable fraction's spread
-HOST_BYTES_PER_S = 5e9  # assumed: a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step)
+# a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step): this project's 2-core VM measured 4.6-5.2 GB/s
+# (torch AdamW, 1-16 M fp32 parameters at 28 B each, 2026-11-27); calibrate measures the GPU host's own
+HOST_BYTES_PER_S = 5e9
+
 def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int, tuple]:
     """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters, those bytes by kernel
     size as (power of two, bytes) pairs) of one step, cached
@@ -244,6 +250,51 @@ def throughput(gpu: str | None, calibrated: dict[str, Any] | None = None) -> tup
 
 
 LAUNCH_S = 5e-6  # a CUDA kernel launch from eager PyTorch, ~5 us (assumed; NVIDIA quotes 2-10 us)
+# Launch-bound steps: two tiny models whose kernels, not their FLOPs, take the time on a GPU (model, batch, seq)
+HOST_MODELS = (("gpt:1x32", 1, 16), ("gpt:3x32", 1, 16))  # not the selftest's 4 blocks: predicted, not fitted
+
+
+def measure_host(device: str | torch.device, models=HOST_MODELS) -> list[dict[str, Any]]:
+    """Per tiny model: the kernels :func:`count_flops` counts in its ``baseline`` step and the step's time
+    through the :class:`~colabkit.trainer.Trainer` (untracked, warmed up, interleaved, median of 9). What a GPU step pays
+    besides its kernels' work: Python, the dispatcher, autograd, the optimizer's loop, the launches, the
+    loss read back. An H200 ran a 160-kernel step of gpt:4x256 in 11 ms against 1.4 ms predicted with an
+    assumed 5 us a launch (2026-11-27). The same code runs on a CPU (the twin of the GPU's measurement)."""
+    steps = {}
+    for model, batch, seq in models:
+        torch.manual_seed(0)
+        t = Trainer(build_model(model, seq=seq), "baseline", device=device)
+        x, y = TextData().batch(batch, seq, step=0, device=device)
+        steps[model] = lambda t=t, x=x, y=y: t.step(x, y)
+    took = interleaved(steps, warmup=3, repeats=9, device=device)  # round by round: a busy spell hits them all
+    return [{"model": m, "batch": b, "seq": s, "step_s": took[m].median,
+             "kernels": count_flops(m, "baseline", b, s)["kernels"]} for m, b, s in models]
+
+
+def measure_host_update(n: int = 2**22) -> float:
+    """Bytes a second this host streams through torch AdamW's step on ``n`` fp32 parameters, counted as
+    :func:`step_time`'s ``host_update`` term counts them (weight 8, gradient 4, state 2 x 8: 28 B a parameter).
+
+    >>> measure_host_update(2**12) > 0
+    True
+    """
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    took = time_fn(opt.step, warmup=1, repeats=5).median
+    return n * (8 + 4 + 2 * state_bytes_per_param("adamw")) / took
+
+
+def fit_host(points: list[dict[str, Any]]) -> dict[str, float]:
+    """``{"launch_s", "step_overhead_s"}``: the line through two launch-bound steps, time against kernels
+    (slope: each kernel's cost; intercept: the step's own, whatever its size), neither below zero.
+
+    >>> fit_host([{"kernels": 100, "step_s": 3e-3}, {"kernels": 300, "step_s": 7e-3}])
+    {'launch_s': 2e-05, 'step_overhead_s': 0.001}
+    """
+    a, b = sorted(points, key=lambda p: p["kernels"])[:: max(1, len(points) - 1)][:2]
+    launch = max((b["step_s"] - a["step_s"]) / max(b["kernels"] - a["kernels"], 1), 0.0)
+    return {"launch_s": round(launch, 12), "step_overhead_s": round(max(a["step_s"] - a["kernels"] * launch, 0.0), 12)}
 
 
 def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
@@ -291,6 +342,8 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
     terms = {"compute": compute,
              "memory": memory,
              "launches": counts["kernels"] * figs["launch_s"]}
+    if figs.get("step_overhead_s"):  # measured by calibration (fit_host): the step's host work beyond its kernels
+        terms["step_overhead"] = figs["step_overhead_s"]
     if gpu is not None and counts.get("nf4_params"):
         # qlora: each NF4 weight is dequantized to 16 bits wherever it is used -- forward, backward (the input's
         # gradient), and the recomputed forward under checkpoint: NF4 (+ absmax) read, 16 bits written, per pass
@@ -302,7 +355,7 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
         moved = (8 * n if "optimizer" in offload else 0) + 2 * r["host_bytes"] * len(offload - {"optimizer"}) / len(offload)
         terms["pcie"] = moved / figs["pcie"]
         if "optimizer" in offload:  # the host steps AdamW: weights, gradient and state read, weights and state written
-            terms["host_update"] = n * (8 + 4 + 2 * state) / HOST_BYTES_PER_S
+            terms["host_update"] = n * (8 + 4 + 2 * state) / figs.get("host_bytes_per_s", HOST_BYTES_PER_S)
     if r.get("disk_bytes") and gpu is not None:  # offload:disk: the state file read and written once per step
         terms["disk"] = 2 * r["disk_bytes"] / figs["disk"]
     total = sum(terms.values())
@@ -331,8 +384,6 @@ def speed_of(r: dict[str, Any], counts: dict[str, Any], profile: dict[str, Any] 
     """The keys :func:`~colabkit.estimate.predict.estimate` adds: ``step_time_s``, ``tokens_per_s``, the
     ``counts`` (``flops``, ``kernels``, ...) and ``step_time`` (terms, uncertainty, source), for an estimate
     ``r`` on a GPU ``profile`` or the CPU."""
-    from . import overheads
-
     key = profile["key"] if profile is not None else None
     calibrated = (overheads.load_profile(key) if calibration is True else calibration or None) if key else None
     s = step_time(r, counts, key, calibrated)
@@ -342,9 +393,11 @@ def speed_of(r: dict[str, Any], counts: dict[str, Any], profile: dict[str, Any] 
             **{k: counts.get(k, 0) for k in COUNT_KEYS}}
 
 
-def predict_step_time(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, gpu: str | None = None) -> dict:
+def predict_step_time(model_fn: Callable | str, plan: Plan | str, batch: int, seq: int, gpu: str | None = None,
+                      calibration: dict[str, Any] | bool = True) -> dict:
     """The step time alone (no memory trace): what :func:`~colabkit.estimate.predict.estimate` reports as
-    ``step_time``, for a run on ``gpu`` (a profile key) or this CPU.
+    ``step_time``, for a run on ``gpu`` (a profile key) or this CPU; with ``calibration`` as
+    :func:`speed_of` takes it (True: the profile ``colabkit calibrate`` stored for that GPU, if any).
 
     >>> predict_step_time("gpt-tiny", "baseline", 2, 16)["step_time_s"] > 0
     True
@@ -353,4 +406,5 @@ def predict_step_time(model_fn: Callable | str, plan: Plan | str, batch: int, se
     counts = count_flops(model_fn, plan, batch, seq)
     n = _flops(model_fn, compute_plan(plan), batch, seq)[3] if not counts["state_bytes"] else 0
     r = {"plan": str(plan), "trainable_params": n, "host_bytes": 0, "disk_bytes": 0, "batch": batch, "seq": seq}
-    return step_time(r, counts, gpu)
+    calibrated = (overheads.load_profile(gpu) if calibration is True else calibration or None) if gpu else None
+    return step_time(r, counts, gpu, calibrated)

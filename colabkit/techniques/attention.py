@@ -59,8 +59,16 @@ def refusal(backend: str, device: str | torch.device) -> str | None:
     return f"attention:{backend} needs {need}; {name} (sm{major}{minor}) has {', '.join(have)}: use {use}{linear}"
 
 
+HALF = ("fp16", "bf16")
+
+
 def _check(plan: Plan, ctx: Context) -> None:
-    why = refusal(plan.get("attention"), ctx.device)
+    backend = plan.get("attention")
+    if backend == "flash" and not any(h in plan for h in HALF):  # true on any device: said first
+        raise PlanError("attention:flash has kernels for fp16 and bf16 only: with fp32 activations torch finds no "
+                        "flash kernel ('No available kernel', seen on an H200). Add fp16 ('fp16+attention:flash'; "
+                        "bf16 on sm80+), or use attention:efficient, which also runs in fp32")
+    why = refusal(backend, ctx.device)
     if why:
         raise PlanError(why)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..plan import Context, Plan, PlanError, Technique, register
-from ._wrapper import WrappedOptimizer
+from ._wrapper import WrappedOptimizer, weak_grad_hooks
 from .optimizers import BNB_SYNC_PER_PARAM
 
 
@@ -72,7 +72,7 @@ class FusedStepOptimizer(WrappedOptimizer, torch.optim.Optimizer):
     def _hook_params(self, params: list[torch.Tensor], group: int) -> None:
         for p in params:
             self._group_of[id(p)] = group
-            self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        weak_grad_hooks(self, "_hook", params, self._handles)  # a bound method would leak the model (see there)
 
     def _narrow(self) -> bool:
         """Whether the optimizer may be shown one parameter at a time. bitsandbytes initialises on its first

@@ -45,6 +45,8 @@ def activation_offload(pair: DevicePair | None = None) -> Iterator[None]:
     def pack(t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (or its W.t()) saved
             return t                                                          # by its op: it stays where it is
+        if not pair.on_compute(t):  # already in host memory (SDPA's seed and offset on CUDA): it stays too;
+            return t                # CUDA refuses record_stream on it (found on an H200, 2026-11-27)
         if not _offloadable(t):  # subclasses, sparse, empty: a plain blocking copy
             return t.device, pair.to_host(t)
         nbytes = t.numel() * t.element_size()

@@ -12,7 +12,7 @@ from torch import nn
 from ..device import DevicePair, host_ram_guard, host_side, mark_host, pair_of
 from ..memory import optimizer_tensors
 from ..plan import REGISTRY, Context, Plan, PlanError
-from ._wrapper import WrappedOptimizer
+from ._wrapper import WrappedOptimizer, weak_grad_hooks
 
 
 # ----- offload:optimizer -------------------------------------------------------------------------
@@ -40,7 +40,7 @@ class HostOptimizer(WrappedOptimizer):
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device param, host master)
         self._fresh: dict[int, bool] = {}
         self._adds: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host gradient buffer, accumulated copy in flight)
-        host_groups = []
+        host_groups, hooked = [], []
         for g in param_groups:
             hs = []
             for p in g["params"]:
@@ -50,11 +50,12 @@ class HostOptimizer(WrappedOptimizer):
                     h = nn.Parameter(self.pair.to_host(p))
                     h.grad = self.pair.host_empty(p.shape, p.dtype).zero_()
                     self._fresh[id(p)] = True
-                    p.register_post_accumulate_grad_hook(self._grad_to_host)
+                    hooked.append(p)
                 self._pairs.append((p, h))
                 hs.append(h)
             host_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": hs})
         self._host_of = {id(p): h for p, h in self._pairs}
+        self._handles = weak_grad_hooks(self, "_grad_to_host", hooked)  # a bound method would leak (see there)
         with host_side():
             self.optimizer = make(host_groups)
 
