@@ -99,8 +99,12 @@ def environment(selftest: dict | None, bench: dict | None, dry: bool) -> dict:
     if not dry and env["gpu"]:
         env["label"] = f"{env['gpu']} with T4 emulation"
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
+        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,  # noqa: E731
+                                        timeout=10).stdout.strip()
+        env["commit"] = git("rev-parse", "--short", "HEAD") or None
+        # a lent machine gets the working tree with the session's first .git: HEAD may not be what ran
+        if env["commit"] and git("status", "--porcelain", "--untracked-files=no"):
+            env["commit"] += " + uncommitted changes"
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
     return env

@@ -118,9 +118,26 @@ def update_tol(reference: str, dev: torch.device, size: dict, ref: tuple | None 
     return max(base, FLOOR_FACTOR * floor), floor
 
 
+def with_sgd(plan: str) -> str:
+    """``plan`` stepped by plain SGD. >>> with_sgd("baseline"), with_sgd("fp16+chunked-ce")
+    ('sgd', 'fp16+chunked-ce+sgd')"""
+    return "sgd" if plan == "baseline" else f"{plan}+sgd"
+
+
 def _same_step(plan: str, reference: str = "baseline", what: str | None = None,
-               around: Callable[[Trainer], Any] | None = None, need_pinned: bool = False) -> Callable:
-    """A check: ``plan`` against ``reference`` (same seed, same device): the same update and losses."""
+               around: Callable[[Trainer], Any] | None = None, need_pinned: bool = False,
+               sgd: bool = False) -> Callable:
+    """A check: ``plan`` against ``reference`` (same seed, same device): the same update and losses.
+
+    ``sgd=True`` for a technique that changes the gradient's path, not the optimizer (chunked cross-entropy,
+    an attention kernel, accumulation on the host): both step with plain SGD, whose update is the gradient
+    times lr, so rounding stays rounding. AdamW's first steps are close to ``lr * sign(g)`` and magnify any
+    difference in a near-zero gradient: on an H200 (2026-11-27) another attention kernel moved its update by
+    1.9e-2 in fp32 and by 1.3 (max-norm) in fp16, as much as a wrong gradient does."""
+    if sgd:
+        plan, reference = with_sgd(plan), with_sgd(reference)
+        what = f"{what or reference} (both with SGD: the gradients' path)"
+
     def check(dev: torch.device, size: dict) -> dict:
         ref = _trained(reference, dev, size)
         got = _trained(plan, dev, size, around=around)
@@ -164,9 +181,11 @@ def check_fp16_offload(dev: torch.device, size: dict) -> dict:
     """fp16 with gradients in host memory: the same as fp16 on the device, and an overflow (scale 2^40)
     skips the step (weights unchanged, optimizer state finite) and halves the scale."""
     plan = "fp16+offload:optimizer"
-    ref, got = _trained("fp16", dev, size), _trained(plan, dev, size, around=_raced)
+    # the update with SGD (its step scales with the gradient: a missed or doubled unscale shows in full; AdamW's step
+    # hardly depends on the gradient's scale)
+    ref, got = _trained("fp16+sgd", dev, size), _trained("fp16+offload:optimizer+sgd", dev, size, around=_raced)
     du = update_diff(got, ref)
-    tol, floor = update_tol("fp16", dev, size, ref, base=2e-2)
+    tol, floor = update_tol("fp16+sgd", dev, size, ref, base=2e-2)
     torch.manual_seed(0)
     t = Trainer(build_model(size["model"], seq=size["seq"]), plan, device=dev, offload_sim=dev.type != "cuda")
     state = t.scaler.state_dict()  # the scaler the Trainer built (host unscaling included), started far too high
@@ -183,7 +202,8 @@ def check_fp16_offload(dev: torch.device, size: dict) -> dict:
                  if torch.is_tensor(v) and v.is_floating_point())
     halved = scales == [2.0**40, 2.0**39, 2.0**38]
     ok = du <= tol and same and finite and halved
-    return {"ok": ok, "reference": "fp16 without offload, same seed and device; overflow: weights as before, scale / 2",
+    return {"ok": ok, "reference": "fp16 without offload (both with SGD), same seed and device; overflow: weights as "
+                                   "before, scale / 2",
             "detail": f"update vs fp16: rel. diff {du:.1e} (<= {tol:.2g}; rows reversed: {floor:.1e}); scale 2^40 "
                       f"injected: steps skipped, weights "
                       f"unchanged: {same}, scale {' -> '.join(f'{s:g}' for s in scales)} "
@@ -323,13 +343,15 @@ def check_deterministic(dev: torch.device, size: dict) -> dict:
     def run() -> tuple:
         seed_all(0)
         with deterministic():
-            return _trained("baseline", dev, size)
+            return _trained("sgd", dev, size)
 
-    a, b, free = run(), run(), _trained("baseline", dev, size)
+    # SGD: other kernels round differently, and AdamW's sign-like first step would magnify it (see _same_step)
+    a, b, free = run(), run(), _trained("sgd", dev, size)
     same = all(torch.equal(p, q) for p, q in zip(a[1].model.parameters(), b[1].model.parameters())) and a[0] == b[0]
     du = update_diff(a, free)
-    tol, floor = update_tol("baseline", dev, size, free)
-    return {"ok": same and du <= tol, "reference": "the first deterministic run (bytes); the run without it (update)",
+    tol, floor = update_tol("sgd", dev, size, free)
+    return {"ok": same and du <= tol, "reference": "the first deterministic run (bytes); the run without it (update, "
+                                                   "both with SGD)",
             "detail": f"second run bit-identical: {same}; update vs non-deterministic run rel. diff {du:.1e} "
                       f"(<= {tol:.2g}; rows reversed: {floor:.1e})"}
 
@@ -365,8 +387,8 @@ def check_attention_cuda_only(backend: str, with_checkpoint: bool) -> Callable:
     half = "fp16+" if backend == "flash" else ""
     ref = half + ("checkpoint" if with_checkpoint else "baseline")
     plan = f"{half}attention:{backend}" + ("+checkpoint" if with_checkpoint else "")
-    inner = _same_step(plan, ref.replace("fp16+baseline", "fp16"),
-                       f"{ref.replace('fp16+baseline', 'fp16')} (torch's default attention), same seed and device")
+    ref = ref.replace("fp16+baseline", "fp16")
+    inner = _same_step(plan, ref, f"{ref} (torch's default attention), same seed and device", sgd=True)
 
     def check(dev: torch.device, size: dict) -> dict:
         if dev.type != "cuda":
@@ -399,17 +421,18 @@ def check_fused_step(dev: torch.device, size: dict) -> dict:
 CHECKS: dict[str, Callable[[torch.device, dict], dict]] = {
     "fp16 + offload:optimizer (overflow injected)": check_fp16_offload,
     "offload:disk": _same_step("offload:disk", what="baseline (AdamW in device memory), same seed and device"),
-    "accum:2 + offload:optimizer": _same_step("accum:2+offload:optimizer", around=_raced, need_pinned=True,
+    "accum:2 + offload:optimizer": _same_step("accum:2+offload:optimizer", around=_raced, need_pinned=True, sgd=True,
                                               what="baseline on the whole batch at once, same seed and device"),
-    "chunked-ce": _same_step("chunked-ce", what="baseline (full logits), same seed and device"),
+    "chunked-ce": _same_step("chunked-ce", what="baseline (full logits), same seed and device", sgd=True),
     "fused-step": check_fused_step,
     "fused-step + adamw8bit": check_8bit_sides("fused-step+adamw8bit"),
     "offload:params + adamw8bit": check_8bit_sides("offload:params+adamw8bit"),
     "adamw4bit": check_adamw4bit,
     "adamw8bit: bitsandbytes vs colabkit kernel": check_adamw8bit_kernels,
-    "attention:math": _same_step("attention:math", what="baseline (torch's default attention), same seed and device"),
+    "attention:math": _same_step("attention:math", what="baseline (torch's default attention), same seed and device",
+                                 sgd=True),
     "attention:math + checkpoint": _same_step("attention:math+checkpoint", "checkpoint",
-                                              "checkpoint (torch's default attention), same seed and device"),
+                                              "checkpoint (torch's default attention), same seed and device", sgd=True),
     **{f"attention:{b}{' + checkpoint' if c else ''}": check_attention_cuda_only(b, c)
        for b in ("efficient", "flash") for c in (False, True)},
     "HF Trainer + qlora:4": check_hf_qlora,

@@ -378,3 +378,20 @@ def test_cpu_step_close_to_the_in_memory_kernel(tmp_path):
     streamed.close()
     assert r <= 1.4, (r, str(t["disk"]), str(t["memory"]))
     assert rs <= 4.0, (rs, str(t["streamed"]), str(t["memory"]))
+
+
+def test_gpu_estimate_moves_the_state_to_disk_too():
+    """On a GPU profile the estimate, like the run, keeps only DiskAdamW's two chunk buffers of AdamW state on the
+    device (an H200 measured offload:disk at the peak of sgd, no state, while the estimate had kept AdamW's 8
+    B/param on the GPU, 2026-11-27). Negative control: the CPU estimate moves it, as it did before."""
+    from colabkit.techniques.disk_offload import disk_state_bytes, ram_window_bytes
+
+    window = ram_window_bytes(p.shape for p in colabkit.build_model("gpt:2x64", seq=32).parameters())
+    for gpu in ("t4", None):
+        kw = dict(batch=2, seq=32, gpu=gpu, device=None if gpu else "cpu")
+        base = colabkit.estimate("gpt:2x64", "baseline", **kw)
+        disk = colabkit.estimate("gpt:2x64", "offload:disk", **kw)
+        assert disk["disk_bytes"] == disk_state_bytes(base["trainable_params"]) > 0
+        on_device = window if gpu else 0  # the GPU keeps two chunks' buffers; the CPU updates the mapped file
+        assert disk["breakdown"]["optimizer"] <= on_device < base["breakdown"]["optimizer"], (gpu, disk["breakdown"])
+        assert disk["peak_bytes"] < base["peak_bytes"], gpu

@@ -325,3 +325,23 @@ def test_update_tolerance_follows_the_measured_noise_floor(monkeypatch):
     assert checks.update_tol("baseline", cpu, size, ref) == (checks.FLOOR_FACTOR * 1e-2, 1e-2)
     # negative control: without reversal the "floor" would be zero (the run repeats itself bit for bit)
     assert checks.update_diff(checks._trained("baseline", cpu, size), ref) == 0.0
+
+
+def test_gradient_path_checks_step_with_sgd_and_catch_a_wrong_gradient(monkeypatch):
+    """chunked-ce's check compares both runs under SGD (update = lr * gradient), where rounding stays rounding: the
+    reversed-rows floor is ~1e-6 here. A head gradient 5% too large must fail it; unpatched, it passes."""
+    from colabkit.techniques import chunked_ce
+
+    size = st.SIZES["smoke"]
+    monkeypatch.setattr(checks, "_FLOORS", {})
+    r = checks.CHECKS["chunked-ce"](torch.device("cpu"), size)
+    assert r["ok"] and "both with SGD" in r["reference"], r
+    backward = chunked_ce.ChunkedCrossEntropy.backward
+
+    def five_percent_off(ctx, *grads):
+        gh, gw, *rest = backward(ctx, *grads)
+        return (gh, gw * 1.05 if gw is not None else None, *rest)
+
+    monkeypatch.setattr(chunked_ce.ChunkedCrossEntropy, "backward", staticmethod(five_percent_off))
+    bad = checks.CHECKS["chunked-ce"](torch.device("cpu"), size)
+    assert not bad["ok"], bad

@@ -88,7 +88,7 @@ def measure_device(cases=CASES) -> dict[str, Any]:
                       "allocated_peak": int(r["peak_bytes"]), "reserved_peak": int(r["peak_reserved_bytes"])})
     last = _read_device()
     host = measure_host("cuda")  # after the memory figures: its tiny models add nothing to them
-    host_update = measure_host_update()  # offload:optimizer's step runs on this host's CPU
+    host_update = measure_host_update(device="cuda")  # offload:optimizer's step, on this host's CPU (wall time)
     name = torch.cuda.get_device_name()
     return {"gpu": name, "capability": list(torch.cuda.get_device_capability()),
             "capacity_bytes": int(torch.cuda.get_device_properties(0).total_memory),

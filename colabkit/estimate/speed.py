@@ -24,7 +24,7 @@ import torch
 
 from ..data import TextData
 from ..models import build_model
-from ..plan import Plan
+from ..plan import REGISTRY, Context, Plan
 from ..techniques.lora import nf4_bytes
 from ..techniques.optimizers import state_bytes_per_param
 from ..timing import interleaved, ratio, time_fn
@@ -69,9 +69,10 @@ ACHIEVABLE = {"fp32": 0.6, "fp16": 0.35, "bf16": 0.4,
               # (assumed for the other GPUs too; HBM parts reach somewhat more)
               "mem_bw": 0.7}
 UNCERTAINTY = 0.3  # +-30%: the achievable fraction's spread
-# a 2-vCPU Colab host streaming AdamW's state (offload:optimizer's step): this project's 2-core VM measured 4.6-5.2 GB/s
-# (torch AdamW, 1-16 M fp32 parameters at 28 B each, 2026-11-27); calibrate measures the GPU host's own
-HOST_BYTES_PER_S = 5e9
+# a 2-vCPU Colab host streaming AdamW's state through offload:optimizer's step (torch's fused AdamW, as the plan
+# builds it): this project's 2-core VM measured 33-54 GB/s in wall time (4-64 M fp32 parameters at 28 B each,
+# 2026-11-27), kept at the low end; 5 GB/s assumed before was an unfused AdamW's. calibrate measures a GPU host's own
+HOST_BYTES_PER_S = 3e10
 
 def _flops(model_fn: Callable | str, plan: str, batch: int, seq: int) -> tuple[int, int, int, int, tuple]:
     """(FLOPs, kernels launched, bytes of the non-matmul kernels, trainable parameters, those bytes by kernel
@@ -256,9 +257,9 @@ HOST_MODELS = (("gpt:1x32", 1, 16), ("gpt:3x32", 1, 16))  # not the selftest's 4
 
 def measure_host(device: str | torch.device, models=HOST_MODELS) -> list[dict[str, Any]]:
     """Per tiny model: the kernels :func:`count_flops` counts in its ``baseline`` step and the step's time
-    through the :class:`~colabkit.trainer.Trainer` (untracked, warmed up, interleaved, median of 9). What a GPU step pays
-    besides its kernels' work: Python, the dispatcher, autograd, the optimizer's loop, the launches, the
-    loss read back. An H200 ran a 160-kernel step of gpt:4x256 in 11 ms against 1.4 ms predicted with an
+    through the :class:`~colabkit.trainer.Trainer` (untracked, warmed up, interleaved, median of 9). What a GPU
+    step pays besides its kernels' work: Python, the dispatcher, autograd, the optimizer's loop, the launches,
+    the loss read back. An H200 ran a 160-kernel step of gpt:4x256 in 11 ms against 1.4 ms predicted with an
     assumed 5 us a launch (2026-11-27). The same code runs on a CPU (the twin of the GPU's measurement)."""
     steps = {}
     for model, batch, seq in models:
@@ -271,18 +272,24 @@ def measure_host(device: str | torch.device, models=HOST_MODELS) -> list[dict[st
              "kernels": count_flops(m, "baseline", b, s)["kernels"]} for m, b, s in models]
 
 
-def measure_host_update(n: int = 2**22) -> float:
-    """Bytes a second this host streams through torch AdamW's step on ``n`` fp32 parameters, counted as
-    :func:`step_time`'s ``host_update`` term counts them (weight 8, gradient 4, state 2 x 8: 28 B a parameter).
+def measure_host_update(n: int = 2**22, plan: str = "offload:optimizer", device: str | None = None) -> float:
+    """Bytes a second this host streams through the optimizer ``offload:optimizer`` builds on the host (the
+    plan's, made by its registry entry for a CPU context: torch's fused AdamW by default) on ``n`` fp32
+    parameters, counted as :func:`step_time`'s ``host_update`` term counts them (28 B a parameter for AdamW).
+    On the H200's host an unfused AdamW measured at 1.7 GB/s predicted 2.0 s for gpt2-124m's offloaded step,
+    which took 0.13 s in all (2026-11-27): the measurement must run the optimizer the plan runs. With
+    ``device="cuda"`` (calibration) it is timed in wall time: the host's threads run in parallel, and the CPU's
+    process time would add them up.
 
     >>> measure_host_update(2**12) > 0
     True
     """
+    pl = Plan.parse(plan)
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    took = time_fn(opt.step, warmup=1, repeats=5).median
-    return n * (8 + 4 + 2 * state_bytes_per_param("adamw")) / took
+    opt = REGISTRY[pl.optimizer].make_optimizer([{"params": [p]}], pl, Context(device=torch.device("cpu")))
+    took = time_fn(opt.step, warmup=1, repeats=5, device=device).median
+    return n * (8 + 4 + 2 * state_bytes_per_param(pl.optimizer_token)) / took
 
 
 def fit_host(points: list[dict[str, Any]]) -> dict[str, float]:
