@@ -304,10 +304,34 @@ def fit_host(points: list[dict[str, Any]]) -> dict[str, float]:
     return {"launch_s": round(launch, 12), "step_overhead_s": round(max(a["step_s"] - a["kernels"] * launch, 0.0), 12)}
 
 
+HOST_TERMS = ("launches", "step_overhead")  # the Python/launch side of a step
+DEVICE_TERMS = ("compute", "memory", "dequant")  # the GPU's own work
+
+
+def combine(terms: dict[str, float], gpu: bool) -> float:
+    """A step's seconds from its terms. On a GPU the host launches kernels asynchronously and runs ahead of the
+    device until the step reads a value back, so the two sides overlap: ``max(host, device)``, plus the terms
+    nothing overlaps (PCIe copies the step waits for, the host's optimizer step, disk). On a CPU the same core does
+    everything: the sum. On an H200 (2026-11-27, gpt2-124m, 23 plans, calibrated host terms) the overlap's median
+    error was 27% in log terms against 63% for the sum (this rule was chosen after seeing those figures).
+
+    >>> combine({"compute": 3.0, "memory": 1.0, "launches": 2.0, "pcie": 1.0}, gpu=True)
+    5.0
+    >>> combine({"compute": 3.0, "memory": 1.0, "launches": 2.0, "pcie": 1.0}, gpu=False)
+    7.0
+    """
+    if not gpu:
+        return sum(terms.values())
+    host = sum(terms.get(k, 0.0) for k in HOST_TERMS)
+    device = sum(terms.get(k, 0.0) for k in DEVICE_TERMS)
+    serial = sum(v for k, v in terms.items() if k not in HOST_TERMS + DEVICE_TERMS)
+    return max(host, device) + serial
+
+
 def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
               calibrated: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Seconds per optimizer step of an estimate ``r`` whose step runs ``counts`` (:func:`count_flops`), as
-    a sum of terms: matmul FLOPs over the achievable peak, the other kernels' bytes over the memory
+    """Seconds per optimizer step of an estimate ``r`` whose step runs ``counts`` (:func:`count_flops`), from
+    terms (:func:`combine`): matmul FLOPs over the achievable peak, the other kernels' bytes over the memory
     bandwidth, kernel launches, and (on a GPU) PCIe and disk traffic of the offload tokens.
 
     >>> r = {"plan": "baseline", "trainable_params": 10**9, "host_bytes": 0, "disk_bytes": 0, "batch": 8, "seq": 1024}
@@ -365,7 +389,7 @@ def step_time(r: dict[str, Any], counts: dict[str, Any], gpu: str | None,
             terms["host_update"] = n * (8 + 4 + 2 * state) / figs.get("host_bytes_per_s", HOST_BYTES_PER_S)
     if r.get("disk_bytes") and gpu is not None:  # offload:disk: the state file read and written once per step
         terms["disk"] = 2 * r["disk_bytes"] / figs["disk"]
-    total = sum(terms.values())
+    total = combine(terms, gpu is not None)
     tokens = r["batch"] * r["seq"] * r.get("world_size", 1)
     unc = UNCERTAINTY if gpu is not None else 0.25
     return {"step_time_s": total, "tokens_per_s": tokens / total if total else 0.0, "uncertainty": unc,
