@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from . import chartstyle as _style, liveplot as _live
+from .gpu_results import gpu_column_title, gpu_peak
 from .chartstyle import _budget, _colors_used, _in_notebook, _in_steps, _legend_colors, _plt  # noqa: F401
 from .memory import CATEGORIES
 
@@ -222,16 +223,21 @@ def plot_timings(timings: Mapping[str, Any], title: str, what: str = "step time"
     return fig
 
 
-def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] | None = None) -> str:
+def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] | None = None,
+                  gpu: bool = True) -> str:
     """The measured records as a Markdown table: peak, peak ÷ the first record's (the baseline), each
     category's own peak, the peak's phase and the loss; with ``timings`` (untracked, interleaved: see
     :func:`colabkit.step_times`) a step-time column. Tracked step times are left out on purpose: they
-    include the tracker's per-op overhead and say nothing about speed.
+    include the tracker's per-op overhead and say nothing about speed. With ``gpu`` (and a plan the shipped GPU
+    run measured: :mod:`colabkit.gpu_results`), a last column with that run's peak of the same plan at its real
+    size and its ratio to that run's baseline: the ratio to hold next to this table's own.
 
     >>> rec = {"plan": "baseline", "ok": True, "peak_bytes": 2048, "peak_phase": "backward", "loss": 2.5,
     ...        "breakdown": {c: 512 for c in CATEGORIES}}
-    >>> print(results_table([rec]).splitlines()[2])
+    >>> print(results_table([rec], gpu=False).splitlines()[2])
     | baseline | 2.0 KiB | 1.00 | 512 B | 512 B | 512 B | 512 B | 512 B | backward | 2.5000 |
+    >>> results_table([rec]).splitlines()[2].endswith("GiB (1.00) |")   # the H200's baseline, shipped
+    True
     """
     from .memory import fmt_bytes
 
@@ -240,6 +246,9 @@ def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] 
     if timings:
         t0 = next(iter(timings.values()))
         head.append(f"step time ({t0.device}, untracked)")
+    on_gpu = gpu and gpu_column_title() is not None and any(gpu_peak(r["plan"]) for r in records)
+    if on_gpu:
+        head.append(gpu_column_title())
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if not r.get("ok"):
@@ -250,6 +259,9 @@ def results_table(records: Sequence[dict[str, Any]], timings: Mapping[str, Any] 
         if timings:
             t = timings.get(r["plan"])
             row.append(f"{t.median * 1e3:.1f} ms ({t.low * 1e3:.1f}–{t.high * 1e3:.1f})" if t else "-")
+        if on_gpu:
+            g = gpu_peak(r["plan"])
+            row.append(f"{fmt_bytes(g[0])} ({g[1]:.2f})" if g else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
