@@ -92,6 +92,7 @@ FLOORS: list[tuple[str, list[str]]] = [
                 "colabkit.batches", "colabkit.hf_models", "colabkit.instruct",  # batches -> losses, model families, data
                 "colabkit.determinism", "colabkit.collectives", "colabkit.drive",  # seeds, gloo/NCCL rules, Drive paths
                 "colabkit.notices",  # colabkit's warnings
+                "colabkit.gpu_results",  # figures measured on a lent GPU, read from package data
                 "colabkit.structured.matrix", "colabkit.structured.hodlr", "colabkit.structured.parallel",
                 "colabkit.structured.layer"]),  # structured matrices: math and a layer, no measurement
     ("memory", ["colabkit.memory", "colabkit.memory_*"]),

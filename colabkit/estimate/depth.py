@@ -187,6 +187,8 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[
     return {"peak_bytes": phases[top]["peak"], "at_peak": dict(phases[top]["at_peak"]), "peak_phase": top,
             "breakdown": {c: max(v["own"][c] for v in phases.values()) for c in t2["breakdown"]},
             "phase_peaks": phases, "params": lin(t1["params"], t2["params"]),
+            # the host side (offload:activations' pinned blocks: each block's saved tensors) grows a block a layer
+            "host_bytes": lin(t1.get("host_bytes", 0), t2.get("host_bytes", 0)),
             "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),
             "trainable_shapes": more("trainable_shapes"), "frozen16": more("frozen16"), "frozen": more("frozen"),
             "block_shapes": more("block_shapes") if t2.get("block_shapes") is not None else None,

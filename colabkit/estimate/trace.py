@@ -220,7 +220,9 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         tracker = MemoryTracker(device="cpu", alert_at=None, budget_bytes=1 << 62, alloc_round=alloc_round,
                                 guard_compile=False)
         with tracker, _HostScalars():  # host reads answered above the tracker: it sees no op for them
-            trainer = Trainer(_shape_only(_build(model_fn, seq)), plan, device="cpu", model_name=name, tracker=tracker)
+            # on a GPU profile, offload:activations runs through the CPU twin (host side tagged, copies back counted)
+            trainer = Trainer(_shape_only(_build(model_fn, seq)), plan, device="cpu", model_name=name, tracker=tracker,
+                              offload_sim=profile is not None and "activations" in (plan.get("offload") or ()))
             if _STREAM_BLOCK_GRADS[0]:
                 _stream_block_grads(trainer.model)
             _label_segments(trainer.model, tracker)
@@ -271,6 +273,7 @@ def trace(model_fn: Callable[[], torch.nn.Module] | str, plan: Plan | str, batch
         r = tracker.report()
     cfg = getattr(trainer.model, "config", None)
     return {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"], "at_peak": r["at_peak"],
+            "host_bytes": r.get("host_bytes") or 0,
             "peak_phase": r["peak_phase"], "phase_peaks": r["phase_peaks"], "segment_peaks": r.get("segment_peaks", {}),
             "params": params, "trainable_params": trainable,
             "trainable_shapes": shapes, "block_shapes": block_shapes, "frozen16": frozen16, "frozen": frozen, "config": cfg,
@@ -420,8 +423,9 @@ def _traced(model_fn, plan: Plan, batch: int, seq: int, steps: int, alloc_round:
     hit = _CACHE.get(key) or (_disk.load(key) if disk else None)
     if hit is None:
         deep = deep_model(model_fn, seq)
-        extrapolate = (deep is not None and plan.get("checkpoint") in (None, True)
-                       and "offload:params" not in plan and "offload:activations" not in plan)
+        # (offload:params never reaches a trace: it is split analytically; offload:activations' pinned blocks on the
+        # host side are affine in depth too, as its device side: one block's saved tensors each)
+        extrapolate = deep is not None and plan.get("checkpoint") in (None, True)
         own: list[str] = []
         if extrapolate:
             L, at = deep
