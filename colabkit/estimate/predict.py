@@ -178,6 +178,10 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     br, at, host = _host_split(t["breakdown"], t["at_peak"], offload, t["trainable_shapes"],
                                getattr(cfg, "n_layer", 1), notes, t.get("block_shapes"), grads_streamed=streamed)
     host += t.get("host_bytes", 0)  # what the trace itself put on the host side (offload:activations' blocks)
+    if profile is not None and "activations" in (plan.get("offload") or ()):
+        notes.append(f"offload:activations: traced through the CPU twin of CUDA's streams: saved tensors to pinned host "
+                     f"blocks ({fmt_bytes(t.get('host_bytes', 0))} at the peak), each copied back to the GPU when "
+                     "backward needs it (counted as 'other' there)")
     if "optimizer" in offload and profile is not None and steps_own_8bit_kernel(plan, profile):
         host += own_8bit_scratch(t["trainable_shapes"])  # colabkit's 8-bit kernel steps the host copies: its scratch
     if fsdp_host is not None:  # FSDP2's CPUOffloadPolicy: each rank's shards and optimizer state in its host RAM
