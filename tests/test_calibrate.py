@@ -137,3 +137,22 @@ def test_host_measurement_twin_predicts_a_third_step_on_this_cpu():
     line = speed.fit_host(pts)
     pred = line["step_overhead_s"] + third["kernels"] * line["launch_s"]
     assert 0.5 < third["step_s"] / pred < 2.0, (third, pred, line)
+
+
+def test_host_update_rate_is_timed_in_wall_time_for_a_gpu(monkeypatch):
+    """calibrate times the host's optimizer step with device="cuda": wall time, since the host's threads run in
+    parallel and the CPU's process time adds them up (the H200 host's 16 threads read as a 16x slower step).
+    The optimizer is the one offload:optimizer builds (torch's fused AdamW on the CPU), not a default AdamW."""
+    import importlib
+
+    speed = importlib.import_module("colabkit.estimate.speed")
+    seen = []
+    real = speed.time_fn
+
+    def spy(fn, *a, device=None, **kw):
+        seen.append((device, getattr(getattr(fn, "__self__", None), "defaults", {}).get("fused")))
+        return real(fn, *a, **kw)  # timed here on the CPU's clock: no GPU to synchronize
+
+    monkeypatch.setattr(speed, "time_fn", spy)
+    assert speed.measure_host_update(2**10, device="cuda") > 0 and speed.measure_host_update(2**10) > 0
+    assert seen == [("cuda", True), (None, True)]

@@ -336,6 +336,7 @@ def test_gradient_path_checks_step_with_sgd_and_catch_a_wrong_gradient(monkeypat
     monkeypatch.setattr(checks, "_FLOORS", {})
     r = checks.CHECKS["chunked-ce"](torch.device("cpu"), size)
     assert r["ok"] and "both with SGD" in r["reference"], r
+    assert [k[0] for k in checks._FLOORS] == ["sgd"]  # the reference really trained with SGD (its floor's key)
     backward = chunked_ce.ChunkedCrossEntropy.backward
 
     def five_percent_off(ctx, *grads):
