@@ -152,7 +152,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         # GPU profile has lost every offload: token (an H200 measured offload:disk 17% under its estimate: the
         # state was still counted on the device, 2026-11-27)
         disk = "offload:disk" in plan
-        traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
+        if disk and "offload:disk" in traced_plan:  # a CPU estimate (a GPU profile's traced plan has lost it)
+            traced_plan = Plan.parse([k for k in traced_plan.tokens if k != "offload:disk"] or "baseline")
         streamed = "params" in offload  # offload:params: block gradients leave for the host in the trace
         half = zero in (2, 3) and ("fp16" in plan or "bf16" in plan)  # FSDP2 gathers 16-bit parameters
         name = getattr(model_fn, "__name__", "the model")
