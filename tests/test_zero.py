@@ -125,7 +125,13 @@ def test_estimate_world_size_matches_measurement(runs):
         m = sharded[f"zero:{stage}"]
         for c in ("params", "grads", "optimizer"):  # zero:1's grads: DDP's buckets + the largest fresh gradient
             assert abs(e["breakdown"][c] - m["breakdown"][c]) <= 0.05 * m["breakdown"][c], (stage, c, e["breakdown"][c], m["breakdown"][c])
-        assert abs(e["peak_bytes"] - m["peak_bytes"]) <= 0.05 * m["peak_bytes"], (stage, e["peak_bytes"], m["peak_bytes"])
+        # zero:2/3: gloo's worker thread may free an all-gather / reduce-scatter buffer after the step moved on,
+        # so a rank's peak is that much higher in some runs (CI saw +0.93 MB on zero:3): the estimate names it
+        # as uncertainty, two copies of the largest unit, counted here from the model itself
+        slack = e["resources"]["device"]["uncertainty"]
+        assert slack == (2 * max(last, full - 2 * last) if stage > 1 else 0), (stage, slack)
+        assert e["peak_bytes"] - m["peak_bytes"] <= 0.05 * m["peak_bytes"], (stage, e["peak_bytes"], m["peak_bytes"])
+        assert m["peak_bytes"] - e["peak_bytes"] <= 0.05 * m["peak_bytes"] + slack, (stage, e["peak_bytes"], m["peak_bytes"])
     # negative controls: without the gathered copies the prediction is more than 5% low
     p2 = est[2]["phase_peaks"]  # forward: the last block's all-gather output kept; backward: the gathered units
     bare2 = max(p2["forward"]["peak"] - last, p2["backward"]["peak"] - (p2["backward"]["at_peak"]["params"]
@@ -250,13 +256,19 @@ def _bench_models(models, plans, batch, seq):
     return {m: bench_ranks(m, list(plans), batch, seq, 2, "cpu") for m in models}
 
 
-def _estimate_matches(measured: dict[str, dict], model: str, batch: int, seq: int) -> dict[str, float]:
-    """Each plan's relative error of ``estimate --world-size 2`` against the measured per-rank peak."""
+def _estimate_matches(measured: dict[str, dict], model: str, batch: int, seq: int,
+                      slack: bool = False) -> dict[str, float]:
+    """Each plan's relative error of ``estimate --world-size 2`` against the measured per-rank peak; with
+    ``slack``, a measured peak above the estimate by at most the estimate's uncertainty (a collective's
+    buffer that gloo's worker thread freed late, see test_estimate_world_size_matches_measurement) counts
+    as the estimate itself, and one beyond it only by what exceeds it."""
     err = {}
     for plan, m in measured.items():
         assert m["ok"], (model, plan, m["error"])
         e = estimate(model, plan, batch=batch, seq=seq, device="cpu", gpu=None, world_size=WORLD)
-        err[plan] = e["peak_bytes"] / m["peak_bytes"] - 1
+        late = e["resources"]["device"]["uncertainty"] if slack else 0
+        over = max(0, m["peak_bytes"] - e["peak_bytes"])
+        err[plan] = (e["peak_bytes"] - m["peak_bytes"] + min(over, late)) / m["peak_bytes"]
     return err
 
 
@@ -312,7 +324,7 @@ def test_estimate_world_size_at_depth(monkeypatch):
     model counted as gathered, miss by more than 5%."""
     model, batch, seq = "gpt:4x64", 8, 32
     measured = _sharded_at((model,), DEEP_PLANS, batch, seq)[model]
-    err = _estimate_matches(measured, model, batch, seq)
+    err = _estimate_matches(measured, model, batch, seq, slack=True)
     assert all(abs(v) <= 0.05 for v in err.values()), err
     for term, plan in (("fresh", "zero:1+checkpoint"), ("view", "zero:2+bf16")):
         old = _errors_with_old(term, {plan: measured[plan]}, model, batch, seq)[plan]
@@ -329,7 +341,7 @@ def test_estimate_world_size_at_issue_sizes():
     backward -12% at gpt:4x256)."""
     measured = _sharded_at(("gpt:4x256", "gpt:12x128"), MATRIX, 8, 64)
     for model, by_plan in measured.items():
-        err = _estimate_matches(by_plan, model, 8, 64)
+        err = _estimate_matches(by_plan, model, 8, 64, slack=True)
         assert all(abs(v) <= 0.05 for v in err.values()), (model, err)
     for term, plans in (("fresh", ("zero:1+checkpoint",)), ("view", ("zero:2+bf16", "zero:3+bf16")),
                         ("cast-in", ("zero:2+bf16+checkpoint", "zero:3+bf16+checkpoint")),

@@ -222,6 +222,11 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         out["overhead_terms"] = {k: v.as_dict() for k, v in terms.items()}
     # Every resource the plan uses, judged on its own; the worst one decides the verdict. On a GPU the
     # device needs the traced peak plus the overheads, within the overheads' uncertainty.
+    if slack := t.get("collective_slack", 0):  # zero:2/3: run-to-run, not in the peak (see shard_trace)
+        uncertainty += slack
+        notes.append(f"zero:{zero}: a rank's peak can be up to {fmt_bytes(slack)} higher run to run (an all-gather and a "
+                     "reduce-scatter buffer of the largest unit that the communication thread frees late); "
+                     "counted in the verdict's uncertainty")
     resources = {"device": {"need": int(peak) + extra, "budget": int(budget), "uncertainty": uncertainty}}
     if profile is not None and host:
         resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
@@ -349,22 +354,3 @@ def verdict(resources: dict[str, dict[str, int]]) -> dict[str, Any]:
     return {"resources": judged, "verdict": w["verdict"], "decided_by": worst, "margin_bytes": int(w["margin"]),
             "fits": w["verdict"] != VERDICTS[2]}
 
-
-def rejudge(r: dict[str, Any], device_uncertainty: int) -> dict[str, Any]:
-    """The verdict again after ``peak_bytes``, ``overheads`` or ``host_bytes`` of an estimate ``r`` were
-    changed (the planner's depth extrapolation): the device needs peak plus overheads, the host its bytes.
-
-    >>> r = {"peak_bytes": 5, "host_bytes": 0, "overheads": {"cuda_context": 3},
-    ...      "resources": {"device": {"need": 1, "budget": 10, "uncertainty": 0}}}
-    >>> v = rejudge(r, 1); v["verdict"], v["margin_bytes"], v["resources"]["device"]["need"]
-    ('fits', 2, 8)
-    """
-    res = {k: {f: v[f] for f in ("need", "budget", "uncertainty")} for k, v in r["resources"].items()}
-    res["device"].update(need=int(r["peak_bytes"] + sum(r.get("overheads", {}).values())),
-                         uncertainty=int(device_uncertainty))
-    if "host" in res:
-        res["host"]["need"] = int(r["host_bytes"])
-    out = verdict(res)
-    if "overhead_terms" in r:
-        out["overhead_terms"] = {k: dict(v, nbytes=r["overheads"][k]) for k, v in r["overhead_terms"].items()}
-    return out

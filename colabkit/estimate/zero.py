@@ -158,6 +158,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     >>> t["phase_peaks"]["backward"]["own"] = dict(t["phase_peaks"]["backward"]["at_peak"])
     >>> shard_trace(t, 3, 2); t["peak_bytes"], t["phase_peaks"]["backward"]["at_peak"]["activations"]
     (113, 30)
+    >>> t["collective_slack"]  # an all-gather and a reduce-scatter buffer of the largest unit, freed late
+    30
     """
     if not stage or world_size < 2:
         return
@@ -170,6 +172,10 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     root = max(0, full["params"] - sum(blocks))
     kept = blocks[-1] if blocks else 0  # the last all-gather output of forward (see above)
     gathered = {2: {"forward": kept}, 3: {"forward": root + kept, "backward": root + 2 * block}}.get(stage, {})
+    # FSDP2 keeps one all-gather and one reduce-scatter in flight; the communication thread may drop its
+    # reference to either buffer (a unit's full parameters / gradients) after the step has moved on, so a
+    # rank's peak can be that much higher run to run (gloo's worker thread frees them late on CPU)
+    t["collective_slack"] = 2 * max(block, root) if stage > 1 else 0
     largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
     single_bwd = t["phase_peaks"].get("backward")  # the single-process backward, before sharding
     single_bwd = single_bwd and {k: dict(single_bwd[k]) for k in ("at_peak", "own") if k in single_bwd}
