@@ -413,9 +413,9 @@ def adapter_shapes(model: nn.Module) -> list[tuple[tuple[str, int, float], ...]]
 
 # ----- plan tokens ------------------------------------------------------------------------------
 def _check(plan: Plan, ctx: Context) -> None:
-    _require("peft", "lora:R / qlora:R")
+    _require("peft", "lora:R / qlora:R", load=False)
     if "qlora" in plan:
-        _require("bitsandbytes", "qlora:R")
+        _require("bitsandbytes", "qlora:R", load=False)
         offload = plan.get("offload") or ()
         if "params" in offload:
             raise PlanError("qlora and offload:params: the 4-bit base is already ~8x smaller and its packed weights "

@@ -8,6 +8,7 @@ trained on top, and the plan tokens, are in :mod:`colabkit.techniques.lora`.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Iterable
 
 import torch
@@ -51,11 +52,24 @@ def quantizable(name: str, module: nn.Module, skip: Iterable[str] = SKIP + HEADS
 
 
 # ----- 4-bit NF4 base ---------------------------------------------------------------------------
-def _require(module: str, what: str):
+def _require(module: str, what: str, load: bool = True):
+    """``module`` imported (``load``), or only found (a plan's check: importing peft takes seconds, and a
+    check runs for every candidate plan and every memory alert's advice); PlanError saying how to get it.
+
+    >>> _require("no_such_module_here", "lora:R", load=False)
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: lora:R needs no_such_module_here: pip install 'colabkit[hf]' (or pip install no_such_module_here)
+    """
+    why = f"{what} needs {module}: pip install 'colabkit[hf]' (or pip install {module})"
+    if not load:
+        if importlib.util.find_spec(module) is None:
+            raise PlanError(why)
+        return None
     try:
         return __import__(module)
     except ImportError as e:
-        raise PlanError(f"{what} needs {module}: pip install 'colabkit[hf]' (or pip install {module})") from e
+        raise PlanError(why) from e
 
 
 def is_quantized(model: nn.Module) -> bool:
