@@ -255,6 +255,37 @@ def warning_rank() -> int:
     return dist.get_rank()
 
 
+def trained_then_watched() -> dict:
+    """A zero:3 run in a rank, with the collector off (it would run at any allocation otherwise); what the rank
+    still holds of it when the process group is destroyed is written into the result it returns."""
+    import gc
+    import weakref
+
+    gc.disable()
+    t = Trainer(load_model("gpt:2x64", "zero:3", seq=16, device="cpu"), "zero:3", device="cpu")
+    t.step(*RankData().batch(2, 16, step=0))
+    model, out, destroy = weakref.ref(t.model), {"rank": dist.get_rank()}, dist.destroy_process_group
+
+    def watched(*a, **k):
+        out["model_alive_at_destroy"] = model() is not None
+        return destroy(*a, **k)
+    dist.destroy_process_group = watched
+    return out
+
+
+def test_a_rank_frees_its_run_before_the_group_ends():
+    """The run's FSDP2 model sits in reference cycles; left to interpreter shutdown, a gloo worker thread that
+    drops the last reference to one of its tensors needs the GIL of a finalizing interpreter and aborts the rank
+    (pytorch/pytorch#179291; a rank died so at the end of a torchrun run in CI). So each rank collects its run
+    before the group ends. Control: without that collection the model is still alive there."""
+    got = launch(trained_then_watched, WORLD, device="cpu", start_method="fork")
+    assert [r["model_alive_at_destroy"] for r in got] == [False, False], got
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("colabkit.distributed.gc.collect", lambda *a: 0)  # the forked ranks inherit the patch
+        got = launch(trained_then_watched, WORLD, device="cpu", start_method="fork")
+    assert [r["model_alive_at_destroy"] for r in got] == [True, True], got
+
+
 # ----- launches at once --------------------------------------------------------------------------
 def summed_rank(value: float) -> float:
     """This launch's ranks each add ``value`` (+ their rank): the sum says which group they met in."""
