@@ -72,6 +72,10 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.round, self.events, self.live, self._n = alloc_round, [], {}, 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # only around a profiled step on fake tensors, where nothing is
+        return False                       # compiled: no guard frame around each op (as Traffic, QuickFakeMode)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ITEM:
             return 1
