@@ -130,6 +130,7 @@ def test_estimate_world_size_matches_measurement(runs):
         # as uncertainty, two copies of the largest unit, counted here from the model itself
         slack = e["resources"]["device"]["uncertainty"]
         assert slack == (2 * max(last, full - 2 * last) if stage > 1 else 0), (stage, slack)
+        assert e.get("collective_slack_bytes", 0) == slack  # named on its own (the CLI's table shows it)
         assert e["peak_bytes"] - m["peak_bytes"] <= 0.05 * m["peak_bytes"], (stage, e["peak_bytes"], m["peak_bytes"])
         assert m["peak_bytes"] - e["peak_bytes"] <= 0.05 * m["peak_bytes"] + slack, (stage, e["peak_bytes"], m["peak_bytes"])
     # negative controls: without the gathered copies the prediction is more than 5% low
@@ -454,3 +455,17 @@ def test_qlora_with_a_zero_stage_points_to_what_works():
     for stage in (1, 2):
         with pytest.raises(PlanError, match="4-bit bitsandbytes weights cannot be sharded"):
             REGISTRY["zero"].check(Plan.parse(f"qlora:8+zero:{stage}"), ctx)
+
+
+def test_the_estimate_table_shows_the_late_collectives_in_its_uncertainty():
+    """The CLI's overhead table: its +- column adds up to the device's uncertainty, the late collectives'
+    row included (without that row the column would not add up for zero:2/3). Control: zero:1 has no row."""
+    from colabkit.estimate.cli import _table
+
+    for plan in ("zero:3", "zero:1"):
+        r = estimate("gpt:2x128", plan, batch=8, seq=32, gpu="t4x2", world_size=WORLD)
+        rows = {ln[:20].strip(): ln for ln in _table(r).splitlines()}
+        assert ("late collectives" in rows) == (plan == "zero:3"), rows.keys()
+        terms = sum(t["uncertainty"] for t in r["overhead_terms"].values())
+        assert r["resources"]["device"]["uncertainty"] == terms + r.get("collective_slack_bytes", 0)
+        assert (r.get("collective_slack_bytes", 0) > 0) == (plan == "zero:3")

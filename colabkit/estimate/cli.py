@@ -25,6 +25,8 @@ def _table(r: dict) -> str:
         lines.append(f"{'overhead':<20} {'bytes':>10} {'+-':>9}  grows with model")
         lines += [f"{n:<20} {fmt_bytes(t['nbytes']):>10} {fmt_bytes(t['uncertainty']):>9}  {'yes' if t['scales'] else 'no'}"
                   for n, t in r["overhead_terms"].items()]
+        if r.get("collective_slack_bytes"):  # zero:2/3: buffers the communication thread may free late
+            lines.append(f"{'late collectives':<20} {fmt_bytes(0):>10} {fmt_bytes(r['collective_slack_bytes']):>9}  yes")
         d = r["resources"]["device"]
         lines.append(f"{'device need':<20} {fmt_bytes(d['need']):>10} {fmt_bytes(d['uncertainty']):>9}  "
                      "(tensors' peak + overheads; sources: --json overhead_terms)")

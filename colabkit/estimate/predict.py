@@ -224,6 +224,7 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     # device needs the traced peak plus the overheads, within the overheads' uncertainty.
     if slack := t.get("collective_slack", 0):  # zero:2/3: run-to-run, not in the peak (see shard_trace)
         uncertainty += slack
+        out["collective_slack_bytes"] = int(slack)
         notes.append(f"zero:{zero}: a rank's peak can be up to {fmt_bytes(slack)} higher run to run (an all-gather and a "
                      "reduce-scatter buffer of the largest unit that the communication thread frees late); "
                      "counted in the verdict's uncertainty")
