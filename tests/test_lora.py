@@ -713,3 +713,26 @@ def test_adapter_file_with_pickle_is_refused(tmp_path):
     import inspect
     import colabkit.techniques.lora as L
     assert "weights_only=False" not in inspect.getsource(L) and "pickle.load" not in inspect.getsource(L)
+
+
+def test_a_plans_check_finds_peft_without_importing_it():
+    """Checking lora:R (every candidate plan, every memory alert's advice) only looks peft up: importing it took
+    ~3 s of a 1-step `train --budget-bytes` run. In a fresh process: after the check and the advice, peft is not
+    imported. Control: the training path's _require imports it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from colabkit.plan import Plan, Context\n"
+            "from colabkit.memory import advice\n"
+            "Plan.parse('lora:8').check(Context(device=torch.device('cpu')))\n"
+            "said = advice('params', 'cpu')\n"
+            "before = 'peft' in sys.modules\n"
+            "from colabkit.techniques.nf4 import _require\n"
+            "_require('peft', 'lora:R')\n"
+            "print(before, 'peft' in sys.modules, 'lora' in said)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr[-2000:]
