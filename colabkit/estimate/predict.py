@@ -220,14 +220,14 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     if profile is not None:
         out["overheads"] = {k: v.nbytes for k, v in terms.items()}
         out["overhead_terms"] = {k: v.as_dict() for k, v in terms.items()}
-    # Every resource the plan uses, judged on its own; the worst one decides the verdict. On a GPU the
-    # device needs the traced peak plus the overheads, within the overheads' uncertainty.
     if slack := t.get("collective_slack", 0):  # zero:2/3: run-to-run, not in the peak (see shard_trace)
         uncertainty += slack
         out["collective_slack_bytes"] = int(slack)
         notes.append(f"zero:{zero}: a rank's peak can be up to {fmt_bytes(slack)} higher run to run (an all-gather and a "
                      "reduce-scatter buffer of the largest unit that the communication thread frees late); "
                      "counted in the verdict's uncertainty")
+    # Every resource the plan uses, judged on its own; the worst one decides the verdict. On a GPU the
+    # device needs the traced peak plus the overheads, within the overheads' uncertainty (and the late collectives').
     resources = {"device": {"need": int(peak) + extra, "budget": int(budget), "uncertainty": uncertainty}}
     if profile is not None and host:
         resources["host"] = {"need": int(host), "budget": int(profile["host_ram_bytes"]), "uncertainty": 0}
