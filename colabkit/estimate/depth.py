@@ -163,7 +163,8 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[
     and the step's peak the largest phase's (it may sit in backward at a small depth and move to the optimizer
     step at depth 48). Not from depth 1: a single block is first and last at once (no ``bN`` line)."""
     lin = lambda a, b: int(a + (b - a) * (L - depth))  # noqa: E731
-    phases = {}
+    phases: dict[str, Any] = {}
+    segments: dict[str, Any] = {}
     for p in t2["phase_peaks"]:
         a, b = t1["phase_peaks"].get(p, t2["phase_peaks"][p]), t2["phase_peaks"][p]
         phases[p] = {"peak": lin(a["peak"], b["peak"]),
@@ -173,11 +174,15 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[
         # whose segment may differ from depth L's: at small depth the end of backward (every gradient) can
         # dominate, at depth L its start (every block's activations)
         s1, s2 = t1.get("segment_peaks", {}).get(p, {}), t2.get("segment_peaks", {}).get(p, {})
-        lines = [(lin(s1[g]["peak"], s2[g]["peak"]), {c: lin(s1[g]["at_peak"][c], v) for c, v in s2[g]["at_peak"].items()})
-                 for g in s2 if g in s1 and g != "bmid"]
-        lines += _middle_lines(s1, s2, L, depth)
-        if lines:
-            phases[p]["peak"], phases[p]["at_peak"] = max(lines, key=lambda x: x[0])
+        segs = {g: (lin(s1[g]["peak"], s2[g]["peak"]), {c: lin(s1[g]["at_peak"][c], v) for c, v in s2[g]["at_peak"].items()})
+                for g in s2 if g in s1 and g != "bmid"}
+        if middle := _middle_lines(s1, s2, L, depth):
+            segs["bmid"] = max(middle, key=lambda x: x[0])
+        if segs:
+            peak, at = max(segs.values(), key=lambda x: x[0])
+            phases[p]["peak"], phases[p]["at_peak"] = peak, dict(at)  # a copy: _shift adds to each dict once
+            # kept at depth L too: zero:2/3's backward is modelled segment by segment (estimate.zero.fsdp_backward)
+            segments[p] = {g: {"peak": pk, "at_peak": a} for g, (pk, a) in segs.items()}
     top = max(phases, key=lambda p: phases[p]["peak"])
 
     def more(k):  # the first trace's list plus (L - depth) copies of what one more block adds
@@ -186,7 +191,7 @@ def _affine(t1: dict[str, Any], t2: dict[str, Any], L: int, depth: int = DEPTHS[
 
     return {"peak_bytes": phases[top]["peak"], "at_peak": dict(phases[top]["at_peak"]), "peak_phase": top,
             "breakdown": {c: max(v["own"][c] for v in phases.values()) for c in t2["breakdown"]},
-            "phase_peaks": phases, "params": lin(t1["params"], t2["params"]),
+            "phase_peaks": phases, "segment_peaks": segments, "params": lin(t1["params"], t2["params"]),
             # the host side (offload:activations' pinned blocks: each block's saved tensors) grows a block a layer
             "host_bytes": lin(t1.get("host_bytes", 0), t2.get("host_bytes", 0)),
             "trainable_params": lin(t1["trainable_params"], t2["trainable_params"]),

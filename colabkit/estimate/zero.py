@@ -25,6 +25,7 @@ and 2 (reduce-scatter + all-gather, as DDP's all-reduce), 3Ψ for stage 3 (one m
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any
 
@@ -179,6 +180,8 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
     single_bwd = t["phase_peaks"].get("backward")  # the single-process backward, before sharding
     single_bwd = single_bwd and {k: dict(single_bwd[k]) for k in ("at_peak", "own") if k in single_bwd}
+    if single_bwd:  # each part of backward's own peak (head, blocks, embedding), unsharded: see fsdp_backward
+        single_bwd["segments"] = copy.deepcopy(t.get("segment_peaks", {}).get("backward") or {})
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):
             if k in d:
@@ -225,60 +228,89 @@ def ddp_fresh(grads_at_peak: int, largest: int) -> int:
     return min(grads_at_peak, largest)
 
 
-def fsdp_backward(single: dict[str, dict[str, int]], optimizer: int, block_bytes: list[int], params: int, stage: int,
+def _block_moments(single: dict[str, Any], order: list[int]) -> list[dict[str, int]]:
+    """The single-process trace's categories as backward runs each block (k = 0 .. L-1, the last block first):
+    from its backward segment peaks (``single["segments"]``: ``bN`` at k = 0, ``b0`` at k = L-1, a middle
+    block's between them -- every block is the same, so they are affine in k), or, without them, from the
+    phase's peak, its activations in proportion to the blocks not yet done.
+
+    >>> segs = {"bN": {"at_peak": {"grads": 2, "activations": 30, "other": 5}},
+    ...         "b0": {"at_peak": {"grads": 22, "activations": 10, "other": 5}}}
+    >>> [m["activations"] for m in _block_moments({"segments": segs}, [10, 10, 10])]
+    [30, 20, 10]
+    """
+    segs, n = single.get("segments") or {}, len(order)
+    first, last = (segs.get(g, {}).get("at_peak") for g in ("bN", "b0"))
+    if n == 1 and last is not None:  # one block: first and last at once (labelled b0)
+        return [dict(last)]
+    if first is not None and last is not None:
+        mid = segs.get("bmid", {}).get("at_peak")
+        moments = [{c: first[c] + (last[c] - first[c]) * k // (n - 1) for c in first} for k in range(n)]
+        for m in moments[1:-1]:  # a middle block's own moment can top the line (a recompute's temporaries)
+            m["other"] = max(m["other"], mid["other"]) if mid is not None else m["other"]
+        return moments
+    at, own = single["at_peak"], single["own"]
+    done, k_p = 0, 0  # the whole blocks of gradients at the trace's peak
+    while k_p < n and done + order[k_p] <= at["grads"]:
+        done, k_p = done + order[k_p], k_p + 1
+    return [dict(at, grads=at["grads"] - done + sum(order[:k]),
+                 # the L - k_p blocks not done at the trace's peak saved these, per block remaining; when it peaks
+                 # at backward's end (none left): from their own peak, at its start
+                 activations=(at["activations"] * (n - k) // (n - k_p) if k_p < n else own["activations"] * (n - k) // n))
+            for k in range(n)]
+
+
+def fsdp_backward(single: dict[str, Any], optimizer: int, block_bytes: list[int], params: int, stage: int,
                   world_size: int, half: bool) -> dict[str, int]:
     """One rank's categories at the peak of FSDP2's backward (zero:2/3), from the single-process trace's backward
-    (``single``: its ``at_peak`` and ``own``, traced at the per-rank micro-batch) and the fp32 bytes of each block
-    (``block_bytes``, L of them) and of all parameters (``params``). Backward runs the blocks last to first; with
-    k of them done (k = 0 .. L-1) a rank holds:
+    (``single``: its ``at_peak``, ``own`` and ``segments``, traced at the per-rank micro-batch) and the fp32 bytes of
+    each block (``block_bytes``, L of them) and of all parameters (``params``). Backward runs the head first, then
+    the blocks last to first (:func:`_block_moments`: the single trace's categories at each), then the embedding.
+    With k blocks done a rank holds:
 
     * params: its shards, P/N; zero:2 also every gathered unit not yet done (the root's and blocks 0 .. L-k-1:
-      FSDP2's post-backward reshards a block even with reshard_after_forward=False); zero:3 the root's and at
-      most two blocks (the current one and the prefetched next), filed under activations as the tracker files
-      them. Gathered copies are 16-bit with fp16/bf16 (MixedPrecisionPolicy's param_dtype).
+      FSDP2's post-backward reshards a block even with reshard_after_forward=False); zero:3 the root's and the
+      block running with the one prefetched after it (in the head's backward: the last block, prefetched), filed
+      under activations as the tracker files them. Gathered copies are 16-bit with fp16/bf16
+      (MixedPrecisionPolicy's param_dtype).
     * grads: the fp32 gradient shards of the k done blocks (k * g_b / N) -- the reduce-scatter outputs.
     * other: the reduce-scatter input of the last done block (full size, reduce_dtype fp32: FSDP2 keeps it
-      until the next reduce-scatter), and the unsharded gradients autograd holds (param_dtype): the root's and
-      the current block's partial ones -- what the single-process trace's peak holds beyond its k_p whole blocks
-      (g_p - k_p * g_b) -- plus the single trace's ``other`` at its peak (logits' gradient; with checkpoint the
-      block being recomputed).
-    * activations: those still saved, in proportion to the blocks not done: the single trace gives them at k_p
-      (its peak, where k_p whole blocks of gradients exist; with checkpoint the L - k_p block inputs kept, the
-      block being recomputed is in its ``other``), or, when it peaks at backward's end (k_p = L, nothing left),
-      at their own peak in backward (its start, k = 0).
+      until the next reduce-scatter), the unsharded gradients autograd holds (param_dtype: the single trace's
+      gradients beyond its k whole blocks -- the root's and the running block's partial ones) and the single
+      trace's own ``other`` there (the logits' gradient in the head's backward; with checkpoint the block being
+      recomputed).
+    * activations: those the single trace still holds there.
 
-    The peak is the largest over k (a deep model's trace is extrapolated in depth before it is sharded, so k
+    The peak is the largest moment (a deep model's trace is extrapolated in depth before it is sharded, so k
     runs over all of its blocks). zero:3 peaks a block or more into backward: the gradient shards and the
     reduce-scatter buffer grow while the gathered copies stay two blocks; zero:2 peaks early (each done block
     frees its gathered copy, worth N times its gradient shard).
 
-    >>> at = fsdp_backward({"at_peak": {"params": 40, "grads": 0, "optimizer": 80, "activations": 8, "other": 2},
-    ...                     "own": {"params": 40, "grads": 40, "optimizer": 80, "activations": 8, "other": 2}},
-    ...                    40, [16, 16, 16], 56, 3, 2, False)
+    >>> single = {"at_peak": {"params": 40, "grads": 0, "optimizer": 80, "activations": 8, "other": 2},
+    ...           "own": {"params": 40, "grads": 40, "optimizer": 80, "activations": 8, "other": 2}}
+    >>> at = fsdp_backward(single, 40, [16, 16, 16], 56, 3, 2, False)
     >>> at["grads"], at["other"], at["activations"]
     (8, 18, 45)
     """
-    at, own = single["at_peak"], single["own"]
     c = 2 if half else 1  # gathered copies and unsharded gradients: param_dtype's bytes are fp32's / c
     order = list(reversed(block_bytes))  # backward order; a block's fp32 gradient has its parameters' bytes
     n_blocks, root = len(order), max(0, params - sum(block_bytes))
-    done, k_p = 0, 0
-    while k_p < n_blocks and done + order[k_p] <= at["grads"]:
-        done, k_p = done + order[k_p], k_p + 1
-    rest = at["grads"] - done  # the root's and a partial block's gradients at the single trace's peak (fp32)
     shards = -(-params // world_size)
+    segs = single.get("segments") or {}
+    # (k blocks done, the single trace's categories there, the blocks gathered for zero:3)
+    moments = [(k, m, order[k:k + 2]) for k, m in enumerate(_block_moments(single, order))]
+    if "pre" in segs:  # the head's backward: only the last block gathered yet (prefetched by the root's)
+        moments.append((0, segs["pre"]["at_peak"], order[:1]))
+    if "post" in segs:  # the embedding's, every block done
+        moments.append((n_blocks, segs["post"]["at_peak"], []))
     best: dict[str, int] = {}
-    for k in range(n_blocks):
-        if k_p < n_blocks:  # what the L - k_p blocks not done at the trace's peak saved, per block remaining
-            acts = at["activations"] * (n_blocks - k) // (n_blocks - k_p)
-        else:  # the trace peaks at backward's end (none left): from their peak, at its start
-            acts = own["activations"] * (n_blocks - k) // n_blocks
-        pending = order[k:]  # blocks not yet done (the current one first)
-        cats = {"params": shards + ((root + sum(pending)) // c if stage == 2 else 0),
-                "grads": -(-sum(order[:k]) // world_size),
+    for k, at, running in moments:
+        done = sum(order[:k])
+        cats = {"params": shards + ((root + sum(order[k:])) // c if stage == 2 else 0),
+                "grads": -(-done // world_size),
                 "optimizer": optimizer,
-                "activations": acts + ((root + sum(pending[:2])) // c if stage == 3 else 0),
-                "other": at["other"] + rest // c + (order[k - 1] if k else 0)}
+                "activations": at["activations"] + ((root + sum(running)) // c if stage == 3 else 0),
+                "other": at["other"] + max(0, at["grads"] - done) // c + (order[k - 1] if k else 0)}
         if sum(cats.values()) > sum(best.values()):
             best = cats
     return best
