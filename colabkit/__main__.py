@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -152,21 +153,48 @@ def model_arg(spec: str) -> Any:
     import importlib.util
     import re
 
+    return _user_object(spec, "--model", "function or model")
+
+
+def data_arg(spec: str | None) -> Any:
+    """``--data`` of ``train``: your own batches as ``FILE.py:FN`` / ``package.module:FN``, a function returning what
+    ``train(model, data=...)`` takes (a list or map-style ``Dataset`` of batch dicts or examples, a ``DataLoader``),
+    or a list / Dataset of that name; None: colabkit's own text.
+
+    >>> data_arg(None) is None
+    True
+    """
+    if spec is None:
+        return None
+    found = _user_object(spec, "--data", "function or dataset")
+    if found is spec:
+        raise ValueError(f"--data {spec}: give FILE.py:FUNCTION (or package.module:FUNCTION), a function returning your "
+                         "batches -- a list or Dataset of batch dicts, or a DataLoader")
+    return found() if inspect.isroutine(found) else found  # a function: called once, its batches as train takes them
+
+
+def _user_object(spec: str, flag: str, what: str) -> Any:
+    """The object ``FN`` of ``FILE.py:FN`` / ``package.module:FN`` (the file run as a module); ``spec`` itself when
+    it has neither form (a name colabkit knows)."""
+    import importlib
+    import importlib.util
+    import re
+
     m = re.match(r"^(?P<src>[^:]+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+):(?P<fn>[A-Za-z_]\w*)$", spec)
     if m is None:
         return spec
     src, name = m["src"], m["fn"]
     if src.endswith(".py"):
         if not os.path.isfile(src):
-            raise ValueError(f"--model {spec}: no file {src!r}; give FILE.py:FUNCTION with the path of your file")
+            raise ValueError(f"{flag} {spec}: no file {src!r}; give FILE.py:FUNCTION with the path of your file")
         loaded = importlib.util.spec_from_file_location(os.path.basename(src)[:-3], src)
         module = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(module)
     else:
         module = importlib.import_module(src)
     fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"--model {spec}: {src} has no function or model named {name!r}")
+    if fn is None or (flag == "--model" and not callable(fn)):
+        raise ValueError(f"{flag} {spec}: {src} has no {what} named {name!r}")
     return fn
 
 
@@ -175,6 +203,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-bytes", type=int, default=None, metavar="B",
                    help="device memory budget: --plan auto picks a plan predicted to fit it; alerts near it")
     p.add_argument("--plan", action="append", help="one plan: tokens joined by '+', e.g. fp16+checkpoint, or auto: the fastest predicted to fit (default baseline)")
+    p.add_argument("--data", default=None, metavar="FILE.py:FN",
+                   help="your own batches: a function returning a list or Dataset of batch dicts (or examples), or a "
+                        "DataLoader -- what train(model, data=...) takes (default: colabkit's own text, byte ids 0-255)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write crash-safe checkpoints here (every 10 min of wall time and at the end, unless "
@@ -218,11 +249,16 @@ def _train(args: argparse.Namespace) -> dict:
     if args.world_size > 1 or torchrun_world():  # --world-size N spawns the ranks; torchrun started them
         from .distributed import train_sharded
 
+        if args.data is not None:
+            raise ValueError("--data with --world-size: sharded runs train on colabkit's own text for now (each rank "
+                             "its rows of the same batches); drop --world-size to train on your batches")
+
         return train_sharded(args.model, (args.plan or ["baseline"])[0], world_size=args.world_size, steps=args.steps,
                              batch=args.batch, seq=args.seq, seed=args.seed, device=args.device, lr=args.lr,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                              resume=bool(args.resume))
-    out = train(model_arg(args.model), plan=(args.plan or ["baseline"])[0], steps=args.steps, batch=args.batch, seq=args.seq,
+    out = train(model_arg(args.model), data=data_arg(args.data), plan=(args.plan or ["baseline"])[0], steps=args.steps,
+                batch=args.batch, seq=args.seq,
                 seed=args.seed, device=args.device, lr=args.lr, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
                 resume=args.resume, progress=sys.stderr.isatty(), keep=args.keep, on_oom=args.on_oom,

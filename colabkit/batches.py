@@ -26,6 +26,7 @@ transformers' Trainer). Anything else takes ``loss_fn(outputs, labels, num_items
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -268,11 +269,8 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
             or x.is_meta or torch._guards.detect_fake_mode((x,)) is not None:  # values unknown when estimating
         return
     m = unwrap(model)
-    try:
-        emb = m.get_input_embeddings() if callable(getattr(m, "get_input_embeddings", None)) else None
-    except NotImplementedError:  # transformers' default for a model that has none
-        emb = None
-    if not isinstance(emb, torch.nn.Embedding):
+    emb = token_table(m)
+    if emb is None:  # a plain module: each of its tables checks its own lookups (guard_lookups)
         return
     rows = position_rows(m)
     if rows is not None and x.shape[-1] > rows:
@@ -287,6 +285,55 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
                         f"the model's input embedding has {n} rows. Check that the tokenizer matches the model "
                         "(len(tokenizer) against config.vocab_size); after adding tokens, call "
                         "model.resize_token_embeddings(len(tokenizer))")
+
+
+def token_table(model: torch.nn.Module) -> torch.nn.Embedding | None:
+    """The embedding a model names as its token table (``get_input_embeddings()``: transformers' models and
+    colabkit's GPT), or None (a plain module, or a model that has none)."""
+    try:
+        emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    except NotImplementedError:  # transformers' default for a model that has none
+        emb = None
+    return emb if isinstance(emb, torch.nn.Embedding) else None
+
+
+_CORPUS = ("colabkit's own text (the default data of train() and the CLI) is UTF-8 bytes, ids 0-255: give the "
+           "table at least 256 rows, or train on your own batches (train(model, data=...))")
+
+
+def _check_lookup(name: str, module: torch.nn.Embedding, args: tuple) -> None:
+    idx = args[0] if args else None
+    if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_meta \
+            or torch._guards.detect_fake_mode((idx,)) is not None:  # values unknown when estimating
+        return
+    n = module.num_embeddings
+    bad = (idx >= n) | (idx < 0)
+    if bool(bad.any()):  # before the lookup's kernel: on a GPU a device-side assert would end the session
+        v = idx[bad]
+        raise PlanError(f"the model's embedding {name!r} ({n} rows) was given {int(bad.sum())} "
+                        f"indices outside [0, {n}) (min {int(v.min())}, max {int(v.max())}): the ids your batches hold "
+                        f"must index its rows. {_CORPUS}")
+
+
+def guard_lookups(model: torch.nn.Module) -> None:
+    """A plain module (no named token table, so :func:`check_ids` cannot tell which embedding takes the ids): each
+    of its ``nn.Embedding`` tables refuses an index it has no row for, before its lookup (torch says "index out of
+    range in self" on the CPU, a device-side assert on a GPU). One host read per lookup; a model naming its token
+    table is checked once per batch instead.
+
+    >>> m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)); guard_lookups(m)
+    >>> m(torch.tensor([[1, 12]]))
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: the model's embedding '0' (10 rows) was given 1 indices outside [0, 10) (min 12, max 12): the ids your batches hold must index its rows. colabkit's own text (the default data of train() and the CLI) is UTF-8 bytes, ids 0-255: give the table at least 256 rows, or train on your own batches (train(model, data=...))
+    """
+    m = unwrap(model)
+    if token_table(m) is not None:
+        return
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Embedding) and not getattr(mod, "_colabkit_guarded", False):
+            mod.register_forward_pre_hook(functools.partial(_check_lookup, name))  # picklable: torch.save(model)
+            mod._colabkit_guarded = True
 
 
 _POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2 / colabkit's GPT, BERT, BART's
@@ -380,12 +427,13 @@ def check_labels(model: torch.nn.Module, b: Batch, head: str) -> None:
         return
     classes = head == "sequence-classification" or type(m).__name__.endswith("ForTokenClassification")  # num_labels
     if n and not y.is_meta and torch._guards.detect_fake_mode((y,)) is None:  # values unknown when estimating
-        y = y[..., 1:] if head == "causal-lm" and not seq2seq else y  # the shift drops the first label: never a target
+        shifted = head == "causal-lm" and not seq2seq
+        y = y[..., 1:] if shifted else y  # the shift drops the first label: never a target
         bad = (y >= n) | ((y < 0) & (y != IGNORE_INDEX))
         if bool(bad.any()):  # one check per batch, on the host before the labels reach the device's kernels
-            v = y[bad]
+            v, targets = y[bad], "; counted over the targets: the shift drops each row's first label" if shifted else ""
             raise PlanError(f"labels hold {int(bad.sum())} ids outside [0, {n}) (min {int(v.min())}, max {int(v.max())}; "
-                            f"-100 is the only negative allowed); {want}" + ("" if choices else
+                            f"-100 is the only negative allowed{targets}); {want}" + ("" if choices else
                             ": check the number of classes (config.num_labels) against your label set" if classes else
                             ": check that the tokenizer matches the model (its vocabulary)"))
 

@@ -1,6 +1,7 @@
 """Every bad input gets a clear error before the first training step (the README's bad-input table):
 one row per case, each checking the message says what is wrong and what to do."""
 import importlib.util
+import json
 import math
 import os
 import re
@@ -344,3 +345,64 @@ def test_every_command_refuses_what_train_refuses(tmp_path):
         colabkit.estimate(f"hf:{tmp_path / 'missing'}", batch=1, seq=16)
     with pytest.raises(HubError, match="the folder has no config.json"):
         colabkit.estimate(f"hf:{tmp_path / 'empty'}", batch=1, seq=16)
+
+
+class _Tiny(torch.nn.Module):
+    """A user's plain language model: no get_input_embeddings, a table of 100 token rows (colabkit's corpus is
+    bytes: ids up to 255) and a position table."""
+
+    def __init__(self, vocab: int = 100):
+        super().__init__()
+        self.tok, self.pos, self.head = torch.nn.Embedding(vocab, 16), torch.nn.Embedding(64, 16), torch.nn.Linear(16, vocab)
+
+    def forward(self, x):
+        return self.head(self.tok(x) + self.pos(torch.arange(x.shape[-1])))
+
+
+def test_a_plain_modules_embedding_refuses_ids_it_has_no_row_for(monkeypatch, tmp_path, capsys):
+    """A plain module (no named token table) given ids beyond its table: colabkit's error names the table, its rows
+    and the ids, in the loop, through Trainer.step and on the command line, before torch's lookup. Control: with
+    the guard off, torch's own IndexError is what the user gets."""
+    from colabkit import Trainer
+    from colabkit import trainer as trainer_mod
+
+    with pytest.raises(PlanError, match=r"embedding 'tok' \(100 rows\) was given \d+ indices outside \[0, 100\)"):
+        train(_Tiny, plan="baseline", steps=1, batch=2, seq=16, device="cpu")
+    x = torch.tensor([[1, 2, 150, 3]])
+    with pytest.raises(PlanError, match=r"'tok' \(100 rows\) was given 1 indices outside \[0, 100\) \(min 150, max 150\)"):
+        Trainer(_Tiny(), "baseline", device="cpu").step(x, x)
+    assert Trainer(_Tiny(), "baseline", device="cpu").step(x.clamp(max=99), x.clamp(max=99)) > 0  # in range: trains
+    (tmp_path / "mine.py").write_text("import sys; sys.path.insert(0, %r)\nfrom tests.test_bad_input import _Tiny\n"
+                                      "def build():\n    return _Tiny()\n" % os.getcwd())
+    assert main(["train", "--model", f"{tmp_path / 'mine.py'}:build", "--steps", "1", "--batch", "2", "--seq", "16",
+                 "--device", "cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "'tok' (100 rows)" in err and "ids 0-255" in err and "Traceback" not in err, err
+    monkeypatch.setattr(trainer_mod, "guard_lookups", lambda model: None)
+    with pytest.raises(IndexError, match="index out of range"):
+        Trainer(_Tiny(), "baseline", device="cpu").step(x, x)
+
+
+def tiny_batches():
+    """Your own batches for _Tiny (ids below its 100 rows): what `train --data FILE.py:FN` calls."""
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": (x := torch.randint(0, 100, (2, 16), generator=g)), "labels": x} for _ in range(3)]
+
+
+def test_the_cli_trains_a_plain_module_on_your_own_data(tmp_path, capsys):
+    """`train --data FILE.py:FN`: the batches the function returns, as train(model, data=...) takes them -- the
+    same weights as that Python call. Control: without --data the run gets colabkit's byte corpus, which the
+    100-row table cannot take (the error says to pass --data's equivalent)."""
+    from colabkit import train
+
+    src = tmp_path / "mine.py"
+    src.write_text("import sys; sys.path.insert(0, %r)\nfrom tests.test_bad_input import _Tiny, tiny_batches\n"
+                   "def build():\n    return _Tiny()\n" % os.getcwd())
+    argv = ["train", "--model", f"{src}:build", "--steps", "3", "--batch", "2", "--seq", "16", "--device", "cpu",
+            "--json", "-"]
+    assert main([*argv, "--data", f"{src}:tiny_batches"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = train(_Tiny, data=tiny_batches(), steps=3, batch=2, seq=16, device="cpu", progress=False)
+    assert got["step"] == 3 and got["weights_sha256"] == want["weights_sha256"] and len(got["losses"]) == 3
+    assert main(argv) == 2 and "train(model, data=...)" in capsys.readouterr().err
+    assert main([*argv, "--data", "batches"]) == 2 and "give FILE.py:FUNCTION" in capsys.readouterr().err
