@@ -11,6 +11,7 @@ what filled memory by category, and suggest the cheapest plan the planner says f
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import os
 import tempfile
@@ -95,13 +96,23 @@ def free_after_oom(trainer: Any = None, err: BaseException | None = None) -> Non
         torch.cuda.empty_cache()
 
 
+# set while plan="auto" trains its chosen plan (estimate.auto.run_ranked): the plan was the planner's own answer
+AUTO_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("colabkit_auto_choice", default=None)
+
+
 def own_model_tip(device: Any) -> str:
     """What is said instead of a plan when the run's model has no name the planner can build (the user's own
-    module): where to ask, for this run's device.
+    module): where to ask, for this run's device -- or, in a run of ``plan="auto"``, what its choice rested on.
 
     >>> own_model_tip("cpu").endswith("budget_bytes=..., device='cpu'), or train with plan='auto'")
     True
+    >>> t = AUTO_CHOICE.set("auto: checkpoint"); own_model_tip("cpu").startswith("plan='auto' chose this plan")
+    True
+    >>> AUTO_CHOICE.reset(t)
     """
+    if (why := AUTO_CHOICE.get()) is not None:
+        return (f"plan='auto' chose this plan as the fastest predicted to fit the budget ({why.removeprefix('auto: ')}): "
+                "to leave more room give a smaller budget_bytes, or a smaller batch or sequence")
     where = "device='cpu'" if torch.device(device or "cpu").type == "cpu" else "gpu='t4' (or your GPU's profile)"
     return ("the planner is asked about a model by name during a run (a preset, gpt:LxD, hf:<id>): for your own "
             f"model ask colabkit.choose_plan(build, inputs=first_batch, budget_bytes=..., {where}), or train with "

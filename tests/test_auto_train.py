@@ -210,3 +210,18 @@ def test_cli_estimate_plan_and_bench_take_your_own_factory(few_candidates, tmp_p
     assert json.loads(capsys.readouterr().out)["results"][0]["ok"]
     assert main(["estimate", "--model", f"{src}:nothing", *size]) == 2  # one line, as train says it
     assert "has no function or model named 'nothing'" in capsys.readouterr().err
+
+
+def test_a_memory_alert_in_an_auto_run_does_not_advise_auto(monkeypatch):
+    """Inside plan="auto"'s own run of its choice, the advice for the user's model names the choice and what to
+    change (the budget) instead of telling them to use plan='auto'; outside it, the advice is as before. Control:
+    the tip read the same way outside run_ranked still points to plan='auto'."""
+    from colabkit.oom import own_model_tip
+
+    auto, said = sys.modules["colabkit.estimate.auto"], []
+    monkeypatch.setattr(auto, "train", lambda model, plan, **kw: said.append(own_model_tip("cpu")) or {})
+    auto.run_ranked(factory, {"plan": "checkpoint", "why": "auto: checkpoint, predicted 92% of the budget",
+                              "ranked": ["checkpoint"]}, device="cpu")
+    assert said[0].startswith("plan='auto' chose this plan") and "budget_bytes" in said[0], said
+    assert "checkpoint, predicted 92%" in said[0] and "train with plan='auto'" not in said[0]
+    assert own_model_tip("cpu").endswith("or train with plan='auto'")  # after the run: reset

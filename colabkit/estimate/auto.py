@@ -12,6 +12,7 @@ that shrinking cannot cure, the next plan.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Iterable
 
@@ -21,7 +22,7 @@ from ..checkpoints import saved_plan
 from ..env import profile_for
 from ..feed import _is_corpus, feed
 from ..memory import fmt_bytes
-from ..oom import is_oom
+from ..oom import AUTO_CHOICE, is_oom
 from ..plan import PlanError
 from ..train import register_auto, train
 from ..trainer import register_auto_plan
@@ -119,6 +120,15 @@ def _first_batch(model: Any, kw: dict[str, Any]) -> tuple[int, int, dict[str, to
     return batch, seq, tensors if tensors and not isinstance(model, str) else None
 
 
+@contextlib.contextmanager
+def _planned(why: str):
+    token = AUTO_CHOICE.set(why)
+    try:
+        yield
+    finally:
+        AUTO_CHOICE.reset(token)
+
+
 def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
     """Train with ``choice["ranked"]``'s plans in turn until one runs without an out-of-memory."""
     kw["on_oom"] = "shrink"
@@ -126,7 +136,8 @@ def run_ranked(model: Any, choice: dict[str, Any], **kw: Any) -> dict[str, Any]:
         try:
             # a function is given as it is: train builds it after seeding, as with the plan named (built here, it
             # took the RNG as the estimate left it: other initial weights than the chosen plan's own run)
-            out = train(model, plan=p, **kw)
+            with _planned(choice["why"]):  # a memory alert's advice knows the plan was the planner's own
+                out = train(model, plan=p, **kw)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err) or i + 1 == len(choice["ranked"]):
                 raise
