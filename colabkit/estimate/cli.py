@@ -12,9 +12,24 @@ from .planner import largest, pareto, plans
 from .predict import estimate
 
 
+def _sizes(r: dict) -> str:
+    """The header's batch: a sharded run's is per rank (``estimate`` returns the rank's micro-batch) and global.
+
+    >>> _sizes({"batch": 1, "seq": 128, "plan": "zero:3", "world_size": 2, "device": "t4x2"})
+    'batch 2 (1 per rank)  seq 128  on t4x2, each of 2 ranks'
+    >>> _sizes({"batch": 4, "seq": 64, "plan": "checkpoint", "world_size": 1, "device": "t4"})
+    'batch 4  seq 64  on t4'
+    """
+    ws = r.get("world_size", 1)
+    if ws > 1 and "zero:" in r["plan"]:
+        return f"batch {r['batch'] * ws} ({r['batch']} per rank)  seq {r['seq']}  on {r['device']}, each of {ws} ranks"
+    return f"batch {r['batch']}  seq {r['seq']}  on {r['device']}" + (f", each of {ws} processes" if ws > 1 else "")
+
+
 def _table(r: dict) -> str:
-    lines = [f"{r['model']}  plan {r['plan']}  batch {r['batch']}  seq {r['seq']}  on {r['device']}",
-             f"predicted peak {fmt_bytes(r['peak_bytes'])} of {fmt_bytes(r['budget_bytes'])}   "
+    per = " per rank" if r.get("world_size", 1) > 1 else ""
+    lines = [f"{r['model']}  plan {r['plan']}  {_sizes(r)}",
+             f"predicted peak{per} {fmt_bytes(r['peak_bytes'])} of {fmt_bytes(r['budget_bytes'])}   "
              f"host RAM {fmt_bytes(r['host_bytes'])}",
              f"verdict: {r['verdict'].upper()} (decided by {r['decided_by']}, margin {fmt_bytes(r['margin_bytes'])})",
              *(f"  {n:<8} need {fmt_bytes(v['need']):>10} of {fmt_bytes(v['budget']):>10}: {v['verdict']}"
