@@ -31,9 +31,11 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
 
 
 def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
-    """Label the trace's allocations by where they happen: ``pre`` (embedding; in backward the loss and
-    head), ``b0``/``bmid``/``bN`` (inside the first, a middle, the last block: forward, its backward and
-    checkpointing's recompute there), ``post`` (the head; in backward the embedding). Every block is the same,
+    """Label the trace's allocations by where they happen: ``pre`` (embedding; in backward the loss's),
+    ``head`` (in backward, from the first gradient of the model's own outputs: where FSDP2's root unit
+    gathers its parameters again, :func:`.zero.fsdp_backward`), ``b0``/``bmid``/``bN`` (inside the first, a
+    middle, the last block: forward, its backward and checkpointing's recompute there), ``post`` (the head;
+    in backward the embedding). Every block is the same,
     so each segment's peak is affine in depth, while a phase's peak is the largest of them and may move from
     one to another as the model deepens (:func:`_affine`). Forward pre-hooks mark a block's start (also its
     recompute in backward); in backward a block's end is the gradient of its input, its start that of its
@@ -64,11 +66,31 @@ def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
         if y is not None and y.requires_grad:  # backward enters the last block
             y.register_hook(on_grad(label(n - 1)))
 
+    def outputs(module, args, out):
+        if tracker.current_phase != "forward":
+            return
+        for y in _grad_tensors(out):  # as FSDP2 hooks the root's outputs for its pre-backward
+            y.register_hook(lambda grad: tracker.segment("head") if tracker.current_segment == "pre" else None)
+
     for k, b in enumerate(blocks):
         b.register_forward_pre_hook(start(k))
     if blocks:
         blocks[-1].register_forward_hook(end)
+        model.register_forward_hook(outputs)
         tracker.segment("pre")
+
+
+def _grad_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors needing a gradient in a module's output: a tensor, a tuple or list, a dict or ``ModelOutput``.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> [tuple(t.shape) for t in _grad_tensors({"loss": w.sum(), "logits": (w * 2, torch.ones(3))})]
+    [(), (2,)]
+    """
+    if isinstance(x, torch.Tensor):
+        return [x] if x.requires_grad else []
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    return [t for v in items for t in _grad_tensors(v)]
 
 
 class _StepSegments(TorchDispatchMode):

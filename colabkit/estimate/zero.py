@@ -264,15 +264,18 @@ def fsdp_backward(single: dict[str, Any], optimizer: int, block_bytes: list[int]
                   world_size: int, half: bool) -> dict[str, int]:
     """One rank's categories at the peak of FSDP2's backward (zero:2/3), from the single-process trace's backward
     (``single``: its ``at_peak``, ``own`` and ``segments``, traced at the per-rank micro-batch) and the fp32 bytes of
-    each block (``block_bytes``, L of them) and of all parameters (``params``). Backward runs the head first, then
-    the blocks last to first (:func:`_block_moments`: the single trace's categories at each), then the embedding.
-    With k blocks done a rank holds:
+    each block (``block_bytes``, L of them) and of all parameters (``params``). Backward runs the loss's first
+    (segment ``pre``), then the head's (``head``: from the first gradient of the model's outputs, where FSDP2's
+    root pre-backward hook fires), the blocks last to first (:func:`_block_moments`: the single trace's
+    categories at each), then the embedding (``post``). With k blocks done a rank holds:
 
     * params: its shards, P/N; zero:2 also every gathered unit not yet done (the root's and blocks 0 .. L-k-1:
-      FSDP2's post-backward reshards a block even with reshard_after_forward=False); zero:3 the root's and the
-      block running with the one prefetched after it (in the head's backward: the last block, prefetched), filed
-      under activations as the tracker files them. Gathered copies are 16-bit with fp16/bf16
-      (MixedPrecisionPolicy's param_dtype).
+      FSDP2's post-backward reshards a block even with reshard_after_forward=False); zero:3 nothing gathered in
+      the loss's backward (colabkit gives the root reshard_after_forward=True too, so FSDP2 keeps no root
+      unsharded after forward), then the root's and the last block (the head's: gathered by the root's
+      pre-backward and prefetched), the root's and the block running with the one prefetched after it, the
+      root's alone in the embedding's; filed under activations as the tracker files them. Gathered copies are
+      16-bit with fp16/bf16 (MixedPrecisionPolicy's param_dtype).
     * grads: the fp32 gradient shards of the k done blocks (k * g_b / N) -- the reduce-scatter outputs.
     * other: the reduce-scatter input of the last done block (full size, reduce_dtype fp32: FSDP2 keeps it
       until the next reduce-scatter), the unsharded gradients autograd holds (param_dtype: the single trace's
@@ -297,19 +300,24 @@ def fsdp_backward(single: dict[str, Any], optimizer: int, block_bytes: list[int]
     n_blocks, root = len(order), max(0, params - sum(block_bytes))
     shards = -(-params // world_size)
     segs = single.get("segments") or {}
-    # (k blocks done, the single trace's categories there, the blocks gathered for zero:3)
-    moments = [(k, m, order[k:k + 2]) for k, m in enumerate(_block_moments(single, order))]
-    if "pre" in segs:  # the head's backward: only the last block gathered yet (prefetched by the root's)
-        moments.append((0, segs["pre"]["at_peak"], order[:1]))
+    # (k blocks done, the single trace's categories there, what zero:3 holds gathered: the root and the block
+    # running with the one prefetched after it)
+    moments = [(k, m, root + sum(order[k:k + 2])) for k, m in enumerate(_block_moments(single, order))]
+    if "head" in segs:  # the loss's backward ("pre"): the root unit resharded after forward, nothing gathered yet;
+        # from the first gradient of the model's outputs the root's pre-backward gathers it and prefetches the last block
+        moments += [(0, segs["pre"]["at_peak"], 0)] if "pre" in segs else []
+        moments.append((0, segs["head"]["at_peak"], root + order[0]))
+    elif "pre" in segs:  # the loss's and the head's backward in one: as the head's
+        moments.append((0, segs["pre"]["at_peak"], root + order[0]))
     if "post" in segs:  # the embedding's, every block done
-        moments.append((n_blocks, segs["post"]["at_peak"], []))
+        moments.append((n_blocks, segs["post"]["at_peak"], root))
     best: dict[str, int] = {}
-    for k, at, running in moments:
+    for k, at, gathered in moments:
         done = sum(order[:k])
         cats = {"params": shards + ((root + sum(order[k:])) // c if stage == 2 else 0),
                 "grads": -(-done // world_size),
                 "optimizer": optimizer,
-                "activations": at["activations"] + ((root + sum(running)) // c if stage == 3 else 0),
+                "activations": at["activations"] + (gathered // c if stage == 3 else 0),
                 "other": at["other"] + max(0, at["grads"] - done) // c + (order[k - 1] if k else 0)}
         if sum(cats.values()) > sum(best.values()):
             best = cats
