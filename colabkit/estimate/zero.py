@@ -143,10 +143,11 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
       all-gather (to overlap its copy-out with that collective), and the last block's until the root's
       forward ends: one block's full size beside the activations at forward's end
       (``FSDPParamGroup.wait_for_unshard``, ``comm_ctx.all_gather_state``);
-    * zero:3 (``reshard_after_forward=True``): besides, the root unit's parameters (embeddings, head,
-      final norm) are gathered for the whole forward and backward (FSDP2 keeps the root unsharded after
-      forward), a block's are gathered while it runs and freed after it, and in backward the next block
-      is prefetched (current + next: two blocks). zero:2's gathered copies are its parameters (P above).
+    * zero:3 (``reshard_after_forward=True``, on the root unit too: FSDP2 keeps a root unsharded after forward
+      only when the flag is left to its default): besides, the root unit's parameters (embeddings, head,
+      final norm) are gathered for the whole forward and again from the head's backward on, a block's are
+      gathered while it runs and freed after it, and in backward the next block is prefetched (current +
+      next: two blocks). zero:2's gathered copies are its parameters (P above).
       These full-size copies sit beside the shards, filed under activations as the tracker files them.
     * zero:2 and zero:3 in backward: block by block, :func:`fsdp_backward` (what is gathered, the gradient
       shards and the reduce-scatter buffer as the blocks are done, the activations still saved).
@@ -180,7 +181,7 @@ def shard_trace(t: dict[str, Any], stage: int | None, world_size: int, half: boo
     largest = 4 * max((math.prod(sh) for sh in t.get("trainable_shapes", ())), default=0)  # fp32 gradient
     single_bwd = t["phase_peaks"].get("backward")  # the single-process backward, before sharding
     single_bwd = single_bwd and {k: dict(single_bwd[k]) for k in ("at_peak", "own") if k in single_bwd}
-    if single_bwd:  # each part of backward's own peak (head, blocks, embedding), unsharded: see fsdp_backward
+    if single_bwd:  # each part of backward's own peak (loss, head, blocks, embedding), unsharded: see fsdp_backward
         single_bwd["segments"] = copy.deepcopy(t.get("segment_peaks", {}).get("backward") or {})
     for d in [t] + list(t["phase_peaks"].values()):
         for k in ("breakdown", "own"):

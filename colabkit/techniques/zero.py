@@ -249,6 +249,9 @@ def _prepare(model: nn.Module, plan: Plan, ctx: Context) -> nn.Module:
     kw = dict(mesh=mesh, reshard_after_forward=reshard, offload_policy=offload, mp_policy=precision)
     for block in blocks_of(model):  # one all-gather / reduce-scatter unit per transformer block
         fully_shard(block, **kw)
+    # the root unit (embeddings, head) too: given explicitly, reshard_after_forward=True frees its gathered copy after
+    # forward (left to its default, FSDP2 would keep it through the loss's backward, where a large vocabulary's
+    # logits peak), and its pre-backward gathers it again at the logits' gradient (estimate.zero.fsdp_backward)
     fully_shard(model, **kw)
     log = getattr(model, "_colabkit_init_log", None)
     if log is not None:
