@@ -26,7 +26,7 @@ transformers' Trainer). Anything else takes ``loss_fn(outputs, labels, num_items
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -270,7 +270,7 @@ def check_ids(model: torch.nn.Module, b: Batch) -> None:
         return
     m = unwrap(model)
     emb = token_table(m)
-    if emb is None:  # a plain module: each of its tables checks its own lookups (guard_lookups)
+    if emb is None:  # a plain module: each of its tables checks its own lookups (lookups_checked)
         return
     rows = position_rows(m)
     if rows is not None and x.shape[-1] > rows:
@@ -297,8 +297,8 @@ def token_table(model: torch.nn.Module) -> torch.nn.Embedding | None:
     return emb if isinstance(emb, torch.nn.Embedding) else None
 
 
-_CORPUS = ("colabkit's own text (the default data of train() and the CLI) is UTF-8 bytes, ids 0-255: give the "
-           "table at least 256 rows, or train on your own batches (train(model, data=...))")
+_CORPUS = ("if these are colabkit's own text (the default data of train() and the CLI: UTF-8 bytes, ids 0-255), give the "
+           "table at least 256 rows, or train on your own batches: train(model, data=...), or train --data FILE.py:FN")
 
 
 def _check_lookup(name: str, module: torch.nn.Embedding, args: tuple) -> None:
@@ -309,31 +309,49 @@ def _check_lookup(name: str, module: torch.nn.Embedding, args: tuple) -> None:
     n = module.num_embeddings
     bad = (idx >= n) | (idx < 0)
     if bool(bad.any()):  # before the lookup's kernel: on a GPU a device-side assert would end the session
-        v = idx[bad]
-        raise PlanError(f"the model's embedding {name!r} ({n} rows) was given {int(bad.sum())} "
-                        f"indices outside [0, {n}) (min {int(v.min())}, max {int(v.max())}): the ids your batches hold "
-                        f"must index its rows. {_CORPUS}")
+        v, k = idx[bad], int(bad.sum())
+        raise PlanError(f"the model's embedding {name!r} ({n} rows) was given {k} {'index' if k == 1 else 'indices'} "
+                        f"outside [0, {n}) (min {int(v.min())}, max {int(v.max())}): the ids your batches hold must "
+                        f"index its rows; {_CORPUS}")
 
 
-def guard_lookups(model: torch.nn.Module) -> None:
-    """A plain module (no named token table, so :func:`check_ids` cannot tell which embedding takes the ids): each
-    of its ``nn.Embedding`` tables refuses an index it has no row for, before its lookup (torch says "index out of
-    range in self" on the CPU, a device-side assert on a GPU). One host read per lookup; a model naming its token
-    table is checked once per batch instead.
-
-    >>> m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)); guard_lookups(m)
-    >>> m(torch.tensor([[1, 12]]))
-    Traceback (most recent call last):
-    ...
-    colabkit.plan.PlanError: the model's embedding '0' (10 rows) was given 1 indices outside [0, 10) (min 12, max 12): the ids your batches hold must index its rows. colabkit's own text (the default data of train() and the CLI) is UTF-8 bytes, ids 0-255: give the table at least 256 rows, or train on your own batches (train(model, data=...))
-    """
+def lookup_tables(model: torch.nn.Module) -> dict[int, str]:
+    """A plain module's ``nn.Embedding`` tables by id, with their names (empty for a model that names its token
+    table: :func:`check_ids` checks it once per batch) -- what :func:`lookups_checked` guards."""
     m = unwrap(model)
     if token_table(m) is not None:
+        return {}
+    return {id(mod): name for name, mod in m.named_modules() if isinstance(mod, torch.nn.Embedding)}
+
+
+@contextlib.contextmanager
+def lookups_checked(tables: dict[int, str]):
+    """While a step runs: each of a plain module's embedding ``tables`` (:func:`lookup_tables`) refuses an index it
+    has no row for, before its lookup (torch says "index out of range in self" on the CPU, a device-side assert on a
+    GPU), with the table's name -- :func:`check_ids` cannot tell which of a plain module's embeddings takes the ids.
+    One host read per lookup. A hook for the step only: nothing stays on the user's model (it pickles as it was).
+
+    >>> m = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    >>> with lookups_checked(lookup_tables(m)):
+    ...     m(torch.tensor([[1, 12]]))
+    Traceback (most recent call last):
+    ...
+    colabkit.plan.PlanError: the model's embedding '0' (10 rows) was given 1 index outside [0, 10) (min 12, max 12): the ids your batches hold must index its rows; if these are colabkit's own text (the default data of train() and the CLI: UTF-8 bytes, ids 0-255), give the table at least 256 rows, or train on your own batches: train(model, data=...), or train --data FILE.py:FN
+    """
+    if not tables:
+        yield
         return
-    for name, mod in m.named_modules():
-        if isinstance(mod, torch.nn.Embedding) and not getattr(mod, "_colabkit_guarded", False):
-            mod.register_forward_pre_hook(functools.partial(_check_lookup, name))  # picklable: torch.save(model)
-            mod._colabkit_guarded = True
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        name = tables.get(id(module))
+        if name is not None:
+            _check_lookup(name, module, args)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 _POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2 / colabkit's GPT, BERT, BART's

@@ -173,8 +173,11 @@ def _loader_feed(loader: torch.utils.data.DataLoader, seed: int) -> Feed:
     the order drawn from (seed, epoch) rather than from its own generator, so a resumed run skips ahead."""
     from torch.utils.data import RandomSampler, SequentialSampler
 
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_size is None or \
-            not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    plain = not isinstance(loader.dataset, torch.utils.data.IterableDataset) and \
+        isinstance(loader.sampler, (RandomSampler, SequentialSampler))
+    if plain and loader.batch_size is None and loader.batch_sampler is None:  # batch_size=None: items are batches
+        return Feed(loader.dataset, 1, seed, shuffle=isinstance(loader.sampler, RandomSampler), kind="DataLoader")
+    if not plain or loader.batch_size is None:
         raise ValueError("data: this DataLoader cannot be read by step (an IterableDataset, a custom sampler or "
                          "batch_sampler): give DataLoader(dataset, batch_size=B, shuffle=..., collate_fn=...) over a "
                          "map-style dataset, or the dataset itself")

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .batches import (Batch, LossFn, check_ids, check_labels, count, guard_lookups, head_of, learn_classes, make_batch,
-                      micro_loss)
+from .batches import (Batch, LossFn, check_ids, check_labels, count, head_of, learn_classes, lookup_tables,
+                      lookups_checked, make_batch, micro_loss)
 from .env import default_device, env
 from .data import TextData
 from .device import host_unscaling
@@ -119,7 +119,7 @@ class Trainer:
             if t.prepare_model is not None and t.order >= 50:
                 model = t.prepare_model(model, self.plan, self.ctx)
         self.model = self.ctx.model = model
-        guard_lookups(model)  # a plain module's embeddings refuse ids they have no row for (check_ids: a named one)
+        self._tables = lookup_tables(model)  # a plain module's embeddings: checked as each step looks ids up
         if loss_fn is not None and self.ctx.loss_from_head:
             raise PlanError(f"{self.ctx.loss_from_head} computes the cross-entropy of the labels itself, from the LM head's "
                             "input (the model returns no logits): drop loss_fn=, or drop "
@@ -145,8 +145,10 @@ class Trainer:
         return self.tracker.phase(name, self.step_count) if self.tracker is not None else contextlib.nullcontext()
 
     def forward_context(self) -> contextlib.ExitStack:
-        """All forward contexts of the plan (autocast, saved-tensor hooks, attention backend)."""
+        """All forward contexts of the plan (autocast, saved-tensor hooks, attention backend), and a plain module's
+        embeddings refusing ids they have no row for (:func:`~colabkit.batches.lookups_checked`)."""
         stack = contextlib.ExitStack()
+        stack.enter_context(lookups_checked(self._tables))
         for make in self._contexts:
             stack.enter_context(make(self.plan, self.ctx))
         return stack

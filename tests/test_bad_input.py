@@ -361,24 +361,28 @@ class _Tiny(torch.nn.Module):
 
 def test_a_plain_modules_embedding_refuses_ids_it_has_no_row_for(monkeypatch, tmp_path, capsys):
     """A plain module (no named token table) given ids beyond its table: colabkit's error names the table, its rows
-    and the ids, in the loop, through Trainer.step and on the command line, before torch's lookup. Control: with
-    the guard off, torch's own IndexError is what the user gets."""
+    and the ids, in the loop, through Trainer.step and on the command line, before torch's lookup; nothing stays on
+    the user's model (it pickles without colabkit's hooks). Control: with the check off, torch's own IndexError is
+    what the user gets."""
     from colabkit import Trainer
     from colabkit import trainer as trainer_mod
 
     with pytest.raises(PlanError, match=r"embedding 'tok' \(100 rows\) was given \d+ indices outside \[0, 100\)"):
         train(_Tiny, plan="baseline", steps=1, batch=2, seq=16, device="cpu")
-    x = torch.tensor([[1, 2, 150, 3]])
-    with pytest.raises(PlanError, match=r"'tok' \(100 rows\) was given 1 indices outside \[0, 100\) \(min 150, max 150\)"):
-        Trainer(_Tiny(), "baseline", device="cpu").step(x, x)
-    assert Trainer(_Tiny(), "baseline", device="cpu").step(x.clamp(max=99), x.clamp(max=99)) > 0  # in range: trains
+    x, model = torch.tensor([[1, 2, 150, 3]]), _Tiny()
+    with pytest.raises(PlanError, match=r"'tok' \(100 rows\) was given 1 index outside \[0, 100\) \(min 150, max 150\)"):
+        Trainer(model, "baseline", device="cpu").step(x, x)
+    assert Trainer(model, "baseline", device="cpu").step(x.clamp(max=99), x.clamp(max=99)) > 0  # in range: trains
+    assert not model.tok._forward_pre_hooks and not torch.nn.modules.module._global_forward_pre_hooks  # none left
+    with pytest.raises(IndexError):  # outside a step the model is the user's own again: torch's lookup
+        model(x)
     (tmp_path / "mine.py").write_text("import sys; sys.path.insert(0, %r)\nfrom tests.test_bad_input import _Tiny\n"
                                       "def build():\n    return _Tiny()\n" % os.getcwd())
     assert main(["train", "--model", f"{tmp_path / 'mine.py'}:build", "--steps", "1", "--batch", "2", "--seq", "16",
                  "--device", "cpu"]) != 0
     err = capsys.readouterr().err
-    assert "'tok' (100 rows)" in err and "ids 0-255" in err and "Traceback" not in err, err
-    monkeypatch.setattr(trainer_mod, "guard_lookups", lambda model: None)
+    assert "'tok' (100 rows)" in err and "ids 0-255" in err and "--data FILE.py:FN" in err and "Traceback" not in err, err
+    monkeypatch.setattr(trainer_mod, "lookup_tables", lambda model: {})
     with pytest.raises(IndexError, match="index out of range"):
         Trainer(_Tiny(), "baseline", device="cpu").step(x, x)
 

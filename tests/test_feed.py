@@ -200,3 +200,18 @@ def test_ready_batches_decide_their_size_and_the_run_says_so(capsys):
     assert out["micro_batch"] == 4 and "one of your batches as it is (4 per step)" in capsys.readouterr().out
     out = train(lambda: build_model("gpt:2x32"), data=rows, **kw)  # examples: grouped by batch=, nothing to say
     assert out["micro_batch"] == 8 and "each step takes" not in capsys.readouterr().out
+
+
+def test_a_dataloader_of_ready_batches_trains_as_the_batches_themselves():
+    """DataLoader(batches, batch_size=None) -- each item a batch already (what the review's user wrote): the same
+    weights as the list of batches itself. Control: a custom batch_sampler, which cannot be read by step, is refused
+    with its reason."""
+    from colabkit import weights_sha256
+
+    loader = torch.utils.data.DataLoader(batch_dicts(), batch_size=None)
+    got = train("gpt:2x64", data=loader, steps=3, **KW)["trainer"].model
+    want = train("gpt:2x64", data=batch_dicts(), steps=3, **KW)["trainer"].model
+    assert weights_sha256(got) == weights_sha256(want)
+    custom = torch.utils.data.DataLoader(batch_dicts(), batch_sampler=[[0, 1], [2]])
+    with pytest.raises(ValueError, match="cannot be read by step"):
+        train("gpt:2x64", data=custom, steps=1, **KW)

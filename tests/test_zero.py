@@ -539,3 +539,20 @@ def test_backward_segments_are_extrapolated_in_depth():
         assert abs(got[g]["peak"] - full[g]["peak"]) <= 0.005 * full[g]["peak"], (g, got[g], full[g])
     near = t3["segment_peaks"]["backward"]
     assert all(full[g]["peak"] - near[g]["peak"] > 0.10 * full[g]["peak"] for g in full)
+
+
+def test_a_sharded_estimate_says_it_is_per_rank(capsys):
+    """estimate --world-size N: the figures are one rank's, the header gives the global and per-rank batch, and a
+    batch smaller than the ranks (which train refuses) is said to be estimated at one sequence per rank. Control:
+    a one-process estimate says none of it."""
+    from colabkit.__main__ import main
+
+    r = estimate("gpt:2x64", "zero:3", batch=1, seq=32, device="cpu", gpu=None, world_size=2)
+    assert (r["batch"], r["global_batch"], r["per_rank"]) == (1, 2, True)
+    assert any("batch 1 is less than the 2 ranks" in n for n in r["notes"]), r["notes"]
+    plain = estimate("gpt:2x64", "baseline", batch=2, seq=32, device="cpu", gpu=None)
+    assert (plain["global_batch"], plain["per_rank"]) == (2, False) and not any("ranks" in n for n in plain["notes"])
+    assert main(["estimate", "--model", "gpt:2x64", "--plan", "zero:3", "--world-size", "2", "--batch", "8",
+                 "--seq", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 (4 per rank)" in out and "each of 2 ranks" in out and "predicted peak per rank" in out, out

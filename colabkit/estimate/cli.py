@@ -144,7 +144,8 @@ def _args(p, plan=True, model=True) -> None:
         p.add_argument("--model", default="gpt2-124m", help="preset, gpt:LxD, llama:LxD, hf:<id> or your own model as FILE.py:FN (default gpt2-124m)")
     if plan:
         p.add_argument("--plan", default="baseline", help="one plan: tokens joined by '+', or auto: the fastest predicted to fit (default baseline)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step, over all ranks with --world-size "
+                   "(default 1; raised to one per rank)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--gpu", default="t4", help="GPU profile to predict for: t4, t4x2, p100, l4, a100, a100-80gb, h100, h200 (default t4)")
     p.add_argument("--device", default=None, choices=["cpu"], help="predict a CPU run instead (how CI checks against bench)")

@@ -134,8 +134,12 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
         except PlanError as e:
             if "needs one process per rank" not in str(e):  # the estimate is per rank: no process group needed
                 raise
+    asked = batch
     sharded_plan, plan, batch, zero = plan, *for_rank(plan, batch, world_size)  # zero:N: one rank's share
     notes: list[str] = []
+    if zero is not None and asked < world_size:  # (train refuses it: a batch must split over the ranks)
+        notes.append(f"batch {asked} is less than the {world_size} ranks: estimated with one sequence per rank (a global "
+                     f"batch of {world_size}), which train --world-size {world_size} needs at least")
     if "(AutoModelForCausalLM)" in getattr(model_fn, "__name__", ""):
         notes.append("the config names no architecture: built as AutoModelForCausalLM (for another head pass a "
                      "factory, e.g. lambda: BertForSequenceClassification(config))")
@@ -213,6 +217,8 @@ def estimate(model_fn: Callable[[], torch.nn.Module] | str | Any, plan: Plan | s
     extra, uncertainty = _overheads.total(terms)
     out = {"model": model_fn if isinstance(model_fn, str) else getattr(model_fn, "__name__", "custom"),
            "plan": str(sharded_plan), "batch": batch, "world_size": world_size, "seq": seq, "device": "cpu" if profile is None else gpu,
+           # zero:N: batch is one rank's micro-batch and every byte figure one rank's
+           "global_batch": batch * world_size if zero is not None else batch, "per_rank": zero is not None,
            "params": t["params"], "trainable_params": t["trainable_params"], "peak_bytes": int(peak),
            "breakdown": {c: int(br[c]) for c in CATEGORIES}, "at_peak": {c: int(at[c]) for c in CATEGORIES},
            "peak_phase": t["peak_phase"], "host_bytes": int(host), "budget_bytes": int(budget),
