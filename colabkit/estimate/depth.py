@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import MemoryTracker
+from ..memory import MemoryTracker, tensors_in
 from ..models import GPTConfig, blocks_of
 from .counting import affine as counting_affine
 
@@ -69,8 +69,10 @@ def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
     def outputs(module, args, out):
         if tracker.current_phase != "forward":
             return
-        for y in _grad_tensors(out):  # as FSDP2 hooks the root's outputs for its pre-backward
-            y.register_hook(lambda grad: tracker.segment("head") if tracker.current_segment == "pre" else None)
+        head = lambda grad: tracker.segment("head") if tracker.current_segment == "pre" else None  # noqa: E731
+        for y in tensors_in(out):  # as FSDP2 hooks the root's outputs for its pre-backward
+            if y.requires_grad:
+                y.register_hook(head)
 
     for k, b in enumerate(blocks):
         b.register_forward_pre_hook(start(k))
@@ -79,18 +81,6 @@ def _label_segments(model: torch.nn.Module, tracker: MemoryTracker) -> None:
         model.register_forward_hook(outputs)
         tracker.segment("pre")
 
-
-def _grad_tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors needing a gradient in a module's output: a tensor, a tuple or list, a dict or ``ModelOutput``.
-
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> [tuple(t.shape) for t in _grad_tensors({"loss": w.sum(), "logits": (w * 2, torch.ones(3))})]
-    [(), (2,)]
-    """
-    if isinstance(x, torch.Tensor):
-        return [x] if x.requires_grad else []
-    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
-    return [t for v in items for t in _grad_tensors(v)]
 
 
 class _StepSegments(TorchDispatchMode):
