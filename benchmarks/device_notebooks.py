@@ -58,8 +58,11 @@ def first_cell(dry: bool, stand_ins: dict[str, str]) -> str:
         lines.append('print("device run: dry-run, cpu, smoke sizes (no T4 emulation on a CPU)")')
     else:
         lines += ["colabkit.emulate_t4()",
-                  'print(f"device run: {colabkit.env()[\'gpu\']} with T4 emulation (memory capped to a T4\'s usable '
-                  'bytes, bf16 and flash attention refused; times are this GPU\'s, not a T4\'s), real sizes")']
+                  "if colabkit.env()['gpu']:",
+                  '    print(f"device run: {colabkit.env()[\'gpu\']} with T4 emulation (memory capped to a T4\'s usable '
+                  'bytes, bf16 and flash attention refused; times are this GPU\'s, not a T4\'s), real sizes")',
+                  "else:  # a rehearsal at real size on a CPU: T4 rules answer capability questions, nothing is capped",
+                  '    print("device run: cpu, real sizes (no GPU: T4 rules on, no memory to cap; times are this CPU\'s)")']
     for hub_id, folder in stand_ins.items():
         lines.append(f"print({f'offline: {hub_id} is a stand-in: its shipped config with random weights and a byte-level tokenizer ({folder}); a pretrained model is not available here'!r})")
     return "\n".join(lines)

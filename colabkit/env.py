@@ -384,11 +384,13 @@ def format_env(info: dict[str, Any] | None = None) -> str:
         f"host RAM      {gib(info['host_ram_available_bytes'])} available of {gib(info['host_ram_total_bytes'])}",
         f"native bf16   {info['bf16_native']}",
         f"SDPA          {', '.join(info['sdpa_backends'])}",
-        f"budget        {gib(info['budget_bytes'])}" + ("  (a T4's, emulated on this larger GPU)" if info["emulating_t4"] else ""),
+        f"budget        {gib(info['budget_bytes'])}" + (("  (a T4's, emulated on this larger GPU)" if info["gpu"] else
+                                                      "  (a T4's: T4 rules on, no GPU here to cap)") if info["emulating_t4"] else ""),
         f"GPU profile   {info.get('profile') or '-'}",
         f"smoke mode    {info['smoke']}",
     ]
-    if not info["gpu"]:
+    if not info["gpu"]:  # COLABKIT_SMOKE=0 asks for full sizes on the CPU: say which one this run has
+        sizes = "in smoke mode (tiny sizes)" if info["smoke"] else "at full sizes (COLABKIT_SMOKE=0: slow on a CPU)"
         lines.append("No GPU attached: in Colab use Runtime -> Change runtime type -> T4 GPU. "
-                     "Running on the CPU in smoke mode (tiny sizes); the breakdown is still measured.")
+                     f"Running on the CPU {sizes}; the breakdown is still measured.")
     return "\n".join(lines)

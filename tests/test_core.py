@@ -45,6 +45,10 @@ def test_env_report_and_smoke(monkeypatch):
     if not torch.cuda.is_available():
         assert info["bf16_native"] is False and info["sdpa_backends"] == ["math"]
         assert "No GPU attached" in colabkit.format_env(info)
+        # the hint follows the smoke flag and T4 rules on a CPU claim no GPU (a full-size CPU run said "smoke")
+        full = colabkit.format_env({**info, "smoke": False, "emulating_t4": True})
+        assert "at full sizes" in full and "smoke mode (tiny" not in full and "larger GPU" not in full
+        assert "in smoke mode (tiny sizes)" in colabkit.format_env({**info, "smoke": True})
 
 
 def test_env_looks_bitsandbytes_up_once_found_and_again_while_absent(monkeypatch):

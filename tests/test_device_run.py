@@ -10,6 +10,7 @@ import subprocess
 
 import nbformat
 import pytest
+import torch
 
 import colabkit
 
@@ -134,6 +135,18 @@ def test_inserted_cell_emulates_a_t4_on_the_gpu_only_and_leaves_the_file(tmp_pat
     assert nb.cells[1:] == nbformat.read(path, as_version=4).cells and open(path, "rb").read() == before
     assert "emulate_t4" not in device_notebooks.first_cell(dry=True, stand_ins={})  # a CPU has nothing to cap
     compile(device_notebooks.first_cell(dry=False, stand_ins={"a/b": "/tmp/y"}), "cell", "exec")
+
+
+def test_the_inserted_cell_says_what_ran_on_a_cpu_rehearsal(capsys):
+    """At real size on a CPU (no --dry-run, no GPU) the cell named the GPU as None "with T4 emulation"."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU rehearsal's wording; a GPU prints its name")
+    try:
+        exec(device_notebooks.first_cell(dry=False, stand_ins={}), {})
+    finally:
+        colabkit.emulate_t4(False)
+    said = capsys.readouterr().out
+    assert said.startswith("device run: cpu, real sizes") and "None" not in said and "capped to" not in said
 
 
 def test_notebook_records_from_an_executed_copy():
