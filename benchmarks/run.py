@@ -138,7 +138,7 @@ def markdown(data: dict) -> str:
     timed = [r for r in data["results"] if r["ok"] and r.get("estimate_step_time_s")]
     if timed:
         t4 = any("estimate_step_time_t4_s" in r for r in timed)
-        lines += ["", f"Step time (untracked steps on CUDA, tracked on a CPU), predicted with {timed[0]['step_profile']}; loss after "
+        lines += ["", f"Step time (steps run untracked after the measured ones), predicted with {timed[0]['step_profile']}; loss after "
                   f"{data['steps']} steps against the baseline's"
                   + ("; a T4's step time is predicted only (T4 emulation caps memory, not speed)" if t4 else ""), "",
                   "| plan | measured step | predicted step | error | loss − baseline |" + (" predicted on a T4 |" if t4 else ""),

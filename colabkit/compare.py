@@ -64,7 +64,9 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
             continue
         ratio = r["peak_bytes"] / base["peak_bytes"] if base.get("ok") else float("nan")
         cats = " ".join(f"{fmt_bytes(r['breakdown'][c]):>11}" for c in CATEGORIES)
-        lines.append(f"{r['plan']:<30} {fmt_bytes(r['peak_bytes']):>10} {ratio:>7.2f} {cats} {r['step_time_s']:>7.3f} {r['loss']:>7.4f}")
+        lines.append(f"{r['plan']:<30} {fmt_bytes(r['peak_bytes']):>10} {ratio:>7.2f} {cats} {r['step_time_s']:>6.3f}{'' if r.get('timing_steps') else '*'} {r['loss']:>7.4f}")
+    lines.append("step s: untracked steps after the measured ones (* : timed under the tracker); "
+                 "speed between plans: step_times (warmed up, interleaved)")
     return "\n".join(lines)
 
 

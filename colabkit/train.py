@@ -339,10 +339,12 @@ def measure(
     logits, or a Hugging Face model). Errors (an OOM, a refused plan) come back as
     ``ok: False`` with the message, so a sweep goes on.
 
-    The tracker's dispatch mode adds Python work to every op, which on a GPU is comparable to the
-    kernels themselves; so on CUDA ``step_time_s`` comes from ``timing_steps`` (default 2) further
-    steps run without it (``step_time_tracked_s`` keeps the tracked figure). On the CPU the ops
-    dominate and the tracked steps are timed (``timing_steps=0``).
+    The tracker's dispatch mode adds Python work to every op: on a GPU as much as the kernels
+    themselves, on a CPU 1.6x a step of gpt-tiny (less as ops grow). So ``step_time_s`` comes from
+    ``timing_steps`` further steps run without it (default 2 on CUDA, 1 on a CPU, where steps are
+    slow; ``timing_steps=0`` times the tracked steps), ``step_time_tracked_s`` keeps the tracked
+    figure and ``timing_steps`` says which one ``step_time_s`` is (0: the tracked one). To compare plans' speed, use
+    :func:`colabkit.step_times` (warmed up, repeated, interleaved).
 
     ``offload_sim=True`` runs offload tokens on a CPU with a simulated host side: the record has
     ``"simulated": True``; ``host_bytes`` / ``host_breakdown`` are the host side's peaks (pinned RAM
@@ -353,7 +355,8 @@ def measure(
     record: dict[str, Any] = {"plan": str(plan), "model": name, "params": None, "trainable_params": None,
                               "peak_bytes": None, "breakdown": None, "at_peak": None, "step_time_s": None,
                               "loss": None, "ok": False, "error": None, "device": str(device),
-                              "batch": batch, "seq": seq, "steps": steps, "simulated": False}
+                              "batch": batch, "seq": seq, "steps": steps, "simulated": False,
+                              "timing_steps": None}
     try:  # refused like train's: before anything is built
         check_device(device)
         check_sizes(batch, seq, steps)
@@ -403,7 +406,8 @@ def measure(
         # the first step also allocates optimizer state lazily; later steps show the steady state
         record["step_time_tracked_s"] = sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0]
         record["step_time_s"] = record["step_time_tracked_s"]
-        n_timing = (2 if dev.type == "cuda" else 0) if timing_steps is None else timing_steps
+        n_timing = (2 if dev.type == "cuda" else 1) if timing_steps is None else timing_steps
+        record["timing_steps"] = n_timing  # 0: step_time_s is the tracked steps' figure
         if n_timing:
             trainer.tracker = None  # the tracker has exited; these steps run at full speed
             times = []

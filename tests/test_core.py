@@ -232,4 +232,11 @@ def test_measure_untracked_timing_keeps_memory_and_loss():
     assert timed["loss"] == tracked["loss"] and timed["peak_bytes"] == tracked["peak_bytes"]
     assert timed["breakdown"] == tracked["breakdown"]
     assert timed["step_time_s"] > 0 and timed["step_time_tracked_s"] > 0
-    assert tracked["step_time_s"] == tracked["step_time_tracked_s"]
+    assert tracked["step_time_s"] == tracked["step_time_tracked_s"] and tracked["timing_steps"] == 0
+    # the default times an untracked step on a CPU too (it timed the tracked ones, 1.6x a gpt-tiny step)
+    default = measure("gpt-tiny", "baseline", batch=4, seq=32, steps=2)
+    assert default["timing_steps"] == 1 and default["step_time_s"] != default["step_time_tracked_s"]
+    # the tables mark a tracked figure and say where speed between plans comes from
+    table = colabkit.comparison_table([default, tracked])
+    assert [line.split()[-2].endswith("*") for line in table.splitlines()[1:3]] == [False, True], table
+    assert "step_times" in table.splitlines()[-1]

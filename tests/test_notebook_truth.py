@@ -26,6 +26,12 @@ Rules, each a test per notebook:
    is defined by ``m`` itself (def, class, assignment; a package ``__init__`` also re-exports), or is a
    submodule. A name ``m`` merely imports from elsewhere is not ``m``'s API (PEP 8). Attribute chains
    ``colabkit.a.b`` follow the same rules while they name modules.
+4. **No step time read off a measured run.** A ``measure``/``compare``/``bench_sharded`` record's step
+   time is one plan's, timed alone (a few untracked steps after the tracked ones, or the tracked steps
+   themselves with ``timing_steps=0``: the tracker's per-op Python work makes a gpt-tiny step 1.6x
+   slower on a CPU). A notebook shows speed from :func:`colabkit.step_times` / :func:`colabkit.interleaved`
+   (untracked, warmed up, interleaved against the peer). Checked by following, in the notebook's code,
+   every name bound from such a call (and every name bound from those) to a ``["step_time_s"]`` read.
 
 The executed checks (no image twice in one notebook, no "Failed to load" output) run inside nbval's own
 run of each notebook (``notebooks/conftest.py``), so no notebook is executed twice; the last tests here
@@ -273,6 +279,79 @@ def test_the_import_check_catches_private_names():
     assert private_uses("import colabkit.plots as cp\ncp._budget(None)") == ["colabkit.plots._budget"]
     assert private_uses("import colabkit\ncolabkit.plots.byte_unit(1)\ncolabkit.fmt_bytes(1)") == []
     assert private_uses("from colabkit import nonexistent") == ["from colabkit import nonexistent"]
+
+
+# ----- 4. no step time from a tracked run -----------------------------------------------------------
+TRACKED_RUNS = {"measure", "compare", "bench_sharded", "bench_ranks"}   # their records were timed under the tracker
+STEP_TIME_KEYS = {"step_time_s", "step_time_tracked_s"}
+
+
+def _names(node) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _calls(node) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            out.add(f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else "")
+    return out
+
+
+def _roots(target) -> set[str]:
+    """The names an assignment target binds: ``a``, ``a, b``, ``a[k]`` (binds into ``a``), ``a.x``."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_roots(t) for t in target.elts))
+    if isinstance(target, (ast.Subscript, ast.Attribute, ast.Starred)):
+        return _roots(target.value)
+    return set()
+
+
+def tracked_step_times(code: str) -> list[str]:
+    """``X["step_time_s"]`` reads whose ``X`` comes (through assignments, loops, comprehensions) from a
+    tracked run's records."""
+    tree = ast.parse(code)
+    binds = []   # (names bound, the expression they come from)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            binds += [(_roots(t), n.value) for t in n.targets]
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)) and n.value is not None:
+            binds.append((_roots(n.target), n.value))
+        elif isinstance(n, (ast.For, ast.comprehension)):
+            binds.append((_roots(n.target), n.iter))
+    tainted, grew = set(), True
+    while grew:
+        grew = False
+        for names, value in binds:
+            if names - tainted and (_calls(value) & TRACKED_RUNS or _names(value) & tainted):
+                tainted |= names
+                grew = True
+    bad = []
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in STEP_TIME_KEYS
+                and _names(n.value) & tainted):
+            bad.append(ast.unparse(n))
+    return bad
+
+
+@pytest.mark.parametrize("path", _params())
+def test_no_step_time_from_a_tracked_run(path):
+    code = "\n".join(src for _, src in _cells(path, "code") if not src.lstrip().startswith(("%", "!")))
+    assert not tracked_step_times(code), (f"{os.path.basename(path)}: step times read off tracked runs "
+                                          f"{tracked_step_times(code)}: time with colabkit.step_times (untracked, interleaved)")
+
+
+def test_the_tracked_time_check_follows_the_records():
+    """Negative controls: notebook 15's takeaway before the fix, and the planner's predicted times (not tracked)."""
+    before = ("records[plan] = measure(MODEL, plan)\nbase, chunk = records[plans[0]], records[plans[1]]\n"
+              "md = f\"{chunk['step_time_s']:.2f} s\"")
+    assert tracked_step_times(before) == ["chunk['step_time_s']"]
+    assert tracked_step_times("rs = colabkit.compare(m, ps)\nfor r in rs:\n    print(r['step_time_s'])") == ["r['step_time_s']"]
+    assert tracked_step_times("ranked = plans(M)\nfor r in ranked:\n    print(r['step_time_s'])") == []
+    assert tracked_step_times("measured = measure(M, P)\nprint(measured['peak_bytes'])") == []
 
 
 # ----- the executed checks: the nbval hook in notebooks/conftest.py ---------------------------------
