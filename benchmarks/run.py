@@ -69,6 +69,8 @@ def _predictions(rec: dict, model: str, plan: str, batch: int, seq: int, emulati
                        estimate_reserved_error=(need - rec["peak_reserved_bytes"]) / rec["peak_reserved_bytes"])
     if gpu:
         out["estimate_step_time_t4_s"] = est["step_time_s"]  # a prediction only: a T4's time is not measured here
+    if not rec.get("timing_steps"):  # timed under the tracker (a CPU's default): not a speed to set against one
+        return out
     key, source = step_profile("cuda" if cuda else "cpu")
     st = colabkit.predict_step_time(model, plan, batch, seq, gpu=key)  # key None: this CPU
     out.update(estimate_step_time_s=st["step_time_s"], estimate_step_time_uncertainty=st.get("uncertainty"),
@@ -87,7 +89,9 @@ def run(model: str, plans: list[str], batch: int, seq: int, steps: int, device: 
                             "error": f"not run: the time budget of {budget_s:g} s was spent"})
             continue
         t1 = time.perf_counter()
-        rec = colabkit.measure(model, plan, batch=batch, seq=seq, steps=steps, device=device)
+        # steps timed untracked on every device (on a CPU measure times none by default): the step-time table
+        on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+        rec = colabkit.measure(model, plan, batch=batch, seq=seq, steps=steps, device=device, timing_steps=1 if on_cpu else None)
         if rec["ok"]:
             try:
                 rec.update(_predictions(rec, model, plan, batch, seq, emulating))

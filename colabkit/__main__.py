@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .env import default_device, emulate_t4, env, format_env
 from .memory import CATEGORIES, fmt_bytes
 from .notices import ColabkitWarning
+from .timing import untracked_time
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Any], Callable[[Any], str], str]] = {}
 
@@ -56,11 +57,11 @@ def bench_table(result: dict) -> str:
             continue
         b = r["breakdown"]
         rows.append(f"{r['plan']:<34} {fmt_bytes(r['peak_bytes']):>10} " + " ".join(f"{fmt_bytes(b[c]):>11}" for c in CATEGORIES)
-                    + f" {r['step_time_s']:>7.3f}{'' if r.get('timing_steps') else '*'} {r['loss']:>8.4f}")
+                    + f" {untracked_time(r):>8} {r['loss']:>8.4f}")
     rows.append("peak: tracked device memory at its highest during the measured steps; each category: its own peak; "
-                "step s: seconds per optimizer step, timed on steps run after them without the tracker (* : under the "
-                "tracker, which slows each op); loss: mean over the last step's batch. Speed between plans: "
-                "colabkit.step_times (warmed up, interleaved)")
+                "step s: seconds per optimizer step, timed on steps run after them without the tracker (on CUDA; "
+                "-: not timed, as on a CPU, where the tracker slows each op); loss: mean over the last step's batch. "
+                "Speed between plans: colabkit.step_times (untracked, warmed up, interleaved)")
     return "\n".join(rows)
 
 

@@ -18,7 +18,7 @@ from .data import TextData
 from .estimate import estimate
 from .memory import CATEGORIES, fmt_bytes
 from .plan import PlanError, plain_words
-from .timing import Timing, interleaved
+from .timing import Timing, interleaved, untracked_time
 from .train import measure
 from .trainer import Trainer, _device, load_model
 
@@ -64,10 +64,11 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
             continue
         ratio = r["peak_bytes"] / base["peak_bytes"] if base.get("ok") else float("nan")
         cats = " ".join(f"{fmt_bytes(r['breakdown'][c]):>11}" for c in CATEGORIES)
-        lines.append(f"{r['plan']:<30} {fmt_bytes(r['peak_bytes']):>10} {ratio:>7.2f} {cats} {r['step_time_s']:>6.3f}{'' if r.get('timing_steps') else '*'} {r['loss']:>7.4f}")
-    lines.append("step s: untracked steps after the measured ones (* : timed under the tracker); "
-                 "speed between plans: step_times (warmed up, interleaved)")
+        lines.append(f"{r['plan']:<30} {fmt_bytes(r['peak_bytes']):>10} {ratio:>7.2f} {cats} {untracked_time(r):>7} {r['loss']:>7.4f}")
+    lines.append("step s: untracked steps after the measured ones (-: not timed, as on a CPU, where the tracker "
+                 "slows each op); speed between plans: step_times (untracked, warmed up, interleaved)")
     return "\n".join(lines)
+
 
 
 def _plain_error(error: str | None) -> str | None:

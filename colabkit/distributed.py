@@ -311,7 +311,7 @@ def bench_ranks(model: str, plans: Sequence[str], batch: int, seq: int, steps: i
         with CommCounter() as comm:
             r = measure(model, plan, batch=batch // dist.get_world_size(), seq=seq, steps=steps,
                         device=rank_device(device), seed=seed, data=RankData(on_first=comm.end_setup))
-        ran = steps + (r.get("timing_steps") or 0)  # the tracked steps and the untracked ones that timed them
+        ran = steps + (r.get("timing_steps") or 0)  # the tracked steps and the untracked ones timing them (CUDA)
         r["comm_bytes"] = {k: v // ran for k, v in comm.bytes.items()}  # per optimizer step
         r["comm_setup_bytes"] = comm.setup  # once, before the first step
         ok = rank_tensor([int(bool(r["ok"]))])

@@ -97,3 +97,13 @@ def ratio(timings: Mapping[str, Timing], a: str, b: str) -> float:
     both back to back, so a burst of load on the machine hits both)."""
     ta, tb = timings[a].samples, timings[b].samples
     return statistics.median(x / y if y > 0 else float("inf") for x, y in zip(ta, tb))
+
+
+def untracked_time(record: Mapping[str, Any]) -> str:
+    """A record's step time for a table: seconds when untracked steps timed it, else ``-`` (a step under the
+    tracker is slower by its per-op work: never shown as speed).
+
+    >>> untracked_time({"step_time_s": 0.25, "timing_steps": 2}), untracked_time({"step_time_s": 0.4, "timing_steps": 0})
+    ('0.250', '-')
+    """
+    return f"{record['step_time_s']:.3f}" if record.get("timing_steps") else "-"

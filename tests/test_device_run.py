@@ -44,6 +44,7 @@ def test_bench_records_carry_the_estimators_figures_and_the_baseline_loss(tmp_pa
     st = colabkit.predict_step_time("gpt-tiny", "chunked-ce", 2, 16)["step_time_s"]
     assert ce["estimate_step_time_s"] == pytest.approx(st, rel=0.5)  # the CPU's throughput is re-measured per call
     assert ce["step_profile"].startswith("this CPU")
+    assert ce["timing_steps"] == 1 and ce["step_time_s"] != ce["step_time_tracked_s"]  # set against an untracked step
     assert ce["loss_vs_baseline"] == ce["loss"] - base["loss"] and base["loss_vs_baseline"] == 0
     assert "estimate_step_time_t4_s" not in ce  # no T4 emulation: no T4 time claimed
     run = {"env": device_run.environment(None, data, dry=True), "config": {}, "limit_s": 240, "wall_s": 1.0,

@@ -4,8 +4,8 @@ sharded checkpoint, and clear refusals. One spawn runs every plan and the resume
 slow part)."""
 from __future__ import annotations
 
+import functools
 import math
-
 import os
 
 import pytest
@@ -486,6 +486,14 @@ def test_communication_per_step_is_the_zero_papers(monkeypatch):
     assert runs["zero:1"]["comm_bytes"]["broadcast_"] / psi == pytest.approx(1.0, abs=0.01)
     assert per_step == pytest.approx({"zero:1": 3.0, "zero:2": 2.0, "zero:3": 3.0}, abs=0.05), per_step
     assert sum(runs["zero:1"]["comm_setup_bytes"].values()) / psi == pytest.approx(1.0, abs=0.01)
+    # on CUDA measure times 2 more steps untracked: they communicate too, and count as steps (they were not,
+    # so zero:2 read 4Ψ a step); forked ranks inherit measure with CUDA's default
+    from colabkit import distributed as D
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(D, "measure", functools.partial(D.measure, timing_steps=2))
+        timed = _sharded_at((model,), ("zero:2",), 8, 32)[model]["zero:2"]
+    assert timed["timing_steps"] == 2 and sum(timed["comm_bytes"].values()) / psi == pytest.approx(2.0, abs=0.05)
 
 
 def test_qlora_with_a_zero_stage_points_to_what_works():
