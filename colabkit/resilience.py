@@ -34,8 +34,11 @@ def train_command(model: str, plan: str, steps: int, batch: int, seq: int, seed:
 
 
 def kill_and_resume(model: str, plan: str, steps: int, batch: int, seq: int, seed: int, device: str, every: int,
-                    directory: str, kill_after: int = 2, timeout_s: float = 300) -> dict[str, Any]:
+                    directory: str, kill_after: int = 2, timeout_s: float = 300,
+                    deterministic: bool = False) -> dict[str, Any]:
     """Train in a subprocess, SIGKILL it once ``kill_after`` checkpoints exist, resume it to the end.
+    ``deterministic=True`` runs both with ``--deterministic``: on a GPU, attention's backward and embedding
+    gradients add in a varying order otherwise, so a resumed run is bit-identical to another run only then.
 
     Returns ``killed`` (the process died of SIGKILL), ``killed_at`` (the newest checkpoint's step then),
     ``resumed_from`` (the checkpoint file the resumed run started from), its ``losses`` and
@@ -45,7 +48,8 @@ def kill_and_resume(model: str, plan: str, steps: int, batch: int, seq: int, see
                          f"{steps // every - 1} of them so that there is something left to resume")
     shutil.rmtree(directory, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = train_command(model, plan, steps, batch, seq, seed, device, every, directory)
+    cmd = train_command(model, plan, steps, batch, seq, seed, device, every, directory,
+                        *(["--deterministic"] if deterministic else []))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and len(list_checkpoints(directory)) < kill_after and time.monotonic() < deadline:

@@ -249,6 +249,27 @@ def test_kill_and_resume_refuses_a_kill_after_the_last_checkpoint(tmp_path):
         colabkit.kill_and_resume("gpt-tiny", "baseline", 20, 2, 16, 0, "cpu", 5, str(tmp_path / "d"), kill_after=4)
 
 
+def test_kill_and_resume_passes_deterministic_to_both_processes(tmp_path, monkeypatch):
+    """Notebook 13 asserts bit-identical weights after a resume; on a GPU that holds only with deterministic
+    algorithms in the killed and the resumed process alike (the H100 run had no --deterministic to give them)."""
+    from colabkit import resilience
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen.append(cmd)
+        raise Stop
+
+    monkeypatch.setattr(resilience.subprocess, "Popen", popen)
+    for det in (True, False):
+        with pytest.raises(Stop):
+            colabkit.kill_and_resume("gpt-tiny", "baseline", 20, 2, 16, 0, "cpu", 5, str(tmp_path / "d"), deterministic=det)
+    assert ["--deterministic" in cmd for cmd in seen] == [True, False]   # control: not asked, not given
+
+
 def test_disk_bandwidth_is_measured_in_the_given_folder(tmp_path):
     write, read = colabkit.disk_bandwidth(str(tmp_path), nbytes=1 << 20)
     assert write > 0 and read > 0 and list(tmp_path.iterdir()) == []   # the probe file is removed
