@@ -1,7 +1,7 @@
 """The second command on a lent GPU (issue 35): execute the notebooks at real size (``COLABKIT_SMOKE=0``) under
 T4 emulation and bring them back executed, in one archive, so their figures can be looked at.
 
-Run through ``benchmarks/device_notebooks.sh OUT --part 1`` (then ``--part 2``: the 16 notebooks do not fit one
+Run through ``benchmarks/device_notebooks.sh OUT --part 1`` (then ``--part 2`` ... ``5``: the 16 notebooks do not fit one
 4-minute command); ``--dry-run`` runs the same code in smoke mode on the CPU. The notebooks are not edited: each
 is executed from an in-memory copy whose first cell, inserted here and visible in the executed copy, switches
 T4 emulation on (memory capped to a T4's usable bytes, bf16 and flash attention refused; the times are this
@@ -32,9 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(ROOT, "notebooks")
 WALL_S = 220  # this script; the wheels' install (~15 s) before it: within 4 minutes a part
 MAX_ARCHIVE = 16 * 2**20  # a file that comes back from a run call
-# two halves of about equal weight (the two that load a 0.5B model apart); --part all runs both
-PARTS = {"1": ["00", "01", "02", "03", "04", "05", "06", "07", "10"],
-         "2": ["08", "09", "11", "12", "13", "14", "15"]}
+# parts of at most ~200 s each on an H200 (times of the 2026-11-27 runs: 00 52 s, 01 19, 02 27, 03 55, 04 35, 05 61,
+# 06 16, 07 > 100, 08 > 50, 10 > 57; the rest never ran there), the never-run notebooks first; --part all runs them all
+PARTS = {"1": ["09", "11", "12", "15"], "2": ["13", "14"], "3": ["07", "10"],
+         "4": ["00", "01", "02", "04", "06"], "5": ["03", "05", "08"]}
 # the hub models a notebook loads at real size: offline, a stand-in (config + random weights) takes their place
 HUB_MODELS = {"10": ["Qwen/Qwen2.5-0.5B-Instruct"], "14": ["Qwen/Qwen2.5-0.5B"]}
 INSERTED_TAG = "device-run"
