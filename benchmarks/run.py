@@ -69,8 +69,6 @@ def _predictions(rec: dict, model: str, plan: str, batch: int, seq: int, emulati
                        estimate_reserved_error=(need - rec["peak_reserved_bytes"]) / rec["peak_reserved_bytes"])
     if gpu:
         out["estimate_step_time_t4_s"] = est["step_time_s"]  # a prediction only: a T4's time is not measured here
-    if not rec.get("timing_steps"):  # timed under the tracker (a CPU's default): not a speed to set against one
-        return out
     key, source = step_profile("cuda" if cuda else "cpu")
     st = colabkit.predict_step_time(model, plan, batch, seq, gpu=key)  # key None: this CPU
     out.update(estimate_step_time_s=st["step_time_s"], estimate_step_time_uncertainty=st.get("uncertainty"),

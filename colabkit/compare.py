@@ -70,7 +70,6 @@ def comparison_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-
 def _plain_error(error: str | None) -> str | None:
     """A refusal shown to a learner: in plain words (no sm75, no emulation), without the exception's class name."""
     return None if error is None else plain_words(error).removeprefix("PlanError: ")
